@@ -1,0 +1,8 @@
+"""`python -m pipeline ...`: the same entrypoint locally and under `ray job submit`."""
+
+import sys
+
+from pipeline.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

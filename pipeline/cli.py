@@ -1,0 +1,59 @@
+"""Command line: run a job, audit shards, serve a local OpenRouter stand-in, build the tiny target."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipeline.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.output_dir:
+        cfg.output_dir = args.output_dir
+    from pipeline.run import run
+
+    run(cfg)
+    return 0
+
+
+def _build_tiny(args: argparse.Namespace) -> int:
+    from pipeline.tiny_model import build_tiny_target, weights_digest
+
+    out = build_tiny_target(args.out, force=args.force)
+    print(f"tiny target at {out} (weights sha256 {weights_digest(out)})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands owned by their modules take their own flags.
+    if argv and argv[0] == "audit":
+        from pipeline.audit import main as audit_main
+
+        return audit_main(argv[1:])
+    if argv and argv[0] == "serve-openrouter":
+        from pipeline.openrouter_server import main as serve_main
+
+        return serve_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run the pipeline from a YAML config")
+    p.add_argument("config")
+    p.add_argument("--output-dir", help="override output_dir from the config")
+    p.set_defaults(fn=_run)
+    p = sub.add_parser("build-tiny", help="build the tiny CPU target model folder")
+    p.add_argument("out")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(fn=_build_tiny)
+    sub.add_parser("audit", help="audit sample shards (see `audit --help`)")
+    sub.add_parser("serve-openrouter", help="local OpenRouter-compatible server (see `serve-openrouter --help`)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.fn(args)

@@ -1,0 +1,193 @@
+"""One config schema for a run, loaded from YAML and checked before Ray starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from training.config import DraftTrainConfig
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(Strict):
+    """The target: a profile plus, optionally, a model folder whose tokenizer and template win."""
+
+    profile: Literal["deepseek", "qwen3", "kimi-k2.5"] = "deepseek"
+    path: str | None = None
+    build_tiny: bool = False  # build the tiny CPU target at `path` when it is absent
+
+
+class SamplingConfig(Strict):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = Field(128, gt=0)
+    seed: int = 0
+
+
+CheckMode = Literal["quarantine", "flag", "off"]
+
+
+class ChecksConfig(Strict):
+    """What each named check does when it fails: quarantine the sample, flag it, or skip the check."""
+
+    structure: CheckMode = "quarantine"
+    # Engine ids that do not re-encode are real (non-canonical) model output: flag and count them.
+    roundtrip: CheckMode = "flag"
+    # Rebuilt ids that do not re-encode mean the rebuild or tokenizer is broken: quarantine.
+    roundtrip_rebuilt: CheckMode = "quarantine"
+    billing: CheckMode = "flag"
+    tool_semantics: CheckMode = "quarantine"
+    empty_content: CheckMode = "flag"
+    truncated: CheckMode = "flag"
+    repetition: CheckMode = "quarantine"
+    max_length: CheckMode = "quarantine"
+    repetition_ngram: int = 8
+    repetition_max_repeats: int = 8
+    max_total_tokens: int = 32768
+    billing_abs_threshold: int = 8
+    billing_rel_threshold: float = 0.05
+    # Audit gate: most detections (failed + flagged) a check may have before `audit` exits non-zero.
+    # Unlisted checks allow 0 in quarantine mode and any number in flag mode.
+    max_failures: dict[str, int] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_gate_names(self) -> ChecksConfig:
+        modes = {n for n, f in type(self).model_fields.items() if f.annotation == CheckMode} - {"roundtrip_rebuilt"}
+        unknown = sorted(set(self.max_failures) - modes)
+        if unknown:
+            raise ValueError(f"max_failures names unknown checks {unknown} (known: {sorted(modes)})")
+        if any(v < 0 for v in self.max_failures.values()):
+            raise ValueError("max_failures values must be >= 0")
+        return self
+
+
+class DatasetConfig(Strict):
+    """A prompt file, how to read its rows, and how its prompts are generated."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    path: str
+    format: Literal["messages", "sharegpt", "instruction", "glaive"] = "messages"
+    # Column names in the file for the fields the format reads.
+    columns: dict[str, str] = Field(default_factory=dict)
+    thinking: bool = True
+    max_rows: int | None = Field(None, gt=0)
+    sources: list[str] | None = None  # names of the sources allowed to serve this dataset
+    checks: ChecksConfig = Field(default_factory=ChecksConfig)
+
+
+class VLLMSourceConfig(Strict):
+    kind: Literal["vllm"] = "vllm"
+    name: str = "vllm"
+    num_actors: int = Field(1, gt=0)
+    max_actors: int | None = None
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    tensor_parallel_size: int = 1
+    batch_size: int = 16
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
+    enforce_eager: bool = True
+
+
+class TransformersSourceConfig(Strict):
+    kind: Literal["transformers"] = "transformers"
+    name: str = "transformers"
+    num_actors: int = Field(1, gt=0)
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    batch_size: int = 8
+
+
+SourceConfig = Annotated[VLLMSourceConfig | TransformersSourceConfig, Field(discriminator="kind")]
+
+
+class ExtractionConfig(Strict):
+    aux_layer_ids: list[int] | None = None  # default [2, L//2, L-3]; vLLM convention (input of layer i)
+    batch_tokens: int = Field(4096, gt=0)
+    max_len: int = Field(4096, gt=0)
+    too_long: Literal["truncate", "quarantine"] = "truncate"
+    num_actors: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+
+class RayConfig(Strict):
+    address: str | None = None  # else RAY_ADDRESS, else a local Ray
+    num_cpus: int | None = None
+
+
+class RunConfig(Strict):
+    output_dir: str
+    model: ModelConfig
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    sources: list[SourceConfig] = Field(min_length=1)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    extraction: ExtractionConfig = Field(default_factory=ExtractionConfig)
+    training: DraftTrainConfig | None = Field(default_factory=DraftTrainConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names must be unique, got {names}")
+        ds_names = [d.name for d in self.datasets]
+        if len(set(ds_names)) != len(ds_names):
+            raise ValueError(f"dataset names must be unique, got {ds_names}")
+        for d in self.datasets:
+            for s in d.sources or []:
+                if s not in names:
+                    raise ValueError(f"dataset {d.name!r} names unknown source {s!r} (known: {names})")
+        if self.model.path is None and self.model.build_tiny:
+            raise ValueError("model.build_tiny needs model.path")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run; the message names the offending key or file."""
+
+
+def _resolve(path: str, base: Path) -> str:
+    p = Path(path)
+    return str(p if p.is_absolute() else (base / p))
+
+
+def load_config(path: str | Path, *, base_dir: str | Path | None = None) -> RunConfig:
+    """Load and validate a run config. Relative paths resolve against ``base_dir`` (default: cwd)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from None
+    base = Path(base_dir) if base_dir else Path.cwd()
+    cfg.output_dir = _resolve(cfg.output_dir, base)
+    if cfg.model.path:
+        cfg.model.path = _resolve(cfg.model.path, base)
+        if not cfg.model.build_tiny and not Path(cfg.model.path).is_dir():
+            raise ConfigError(f"{path}: model.path does not exist: {cfg.model.path}")
+    for d in cfg.datasets:
+        d.path = _resolve(d.path, base)
+        if not Path(d.path).is_file():
+            raise ConfigError(f"{path}: dataset {d.name!r}: file not found: {d.path}")
+        if not d.path.endswith((".jsonl", ".json", ".parquet")):
+            raise ConfigError(f"{path}: dataset {d.name!r}: expected a .jsonl or .parquet file: {d.path}")
+    return cfg

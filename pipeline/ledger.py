@@ -1,0 +1,292 @@
+"""One completion-token budget per dataset, shared by every HTTP source actor.
+
+Money is spent by many actors at once, so the accounting lives in one place: a
+Ray actor hosting :class:`Ledger`. The accounting itself is plain Python
+(:class:`BudgetLedger`, :class:`ProviderHealth`) so it is tested without Ray.
+
+Protocol: reserve ``max_tokens`` before a request (the most it can bill), then
+settle with the billed ``completion_tokens`` or release the reservation when
+nothing was billed. A reservation is granted only while ``spent + reserved +
+tokens <= budget``, so the budget holds as long as a provider bills no more
+than it was asked for (``max_tokens``); anything billed beyond a reservation is
+still counted (``overrun``) and reported.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+Decision = Literal["granted", "wait", "exhausted"]
+Outcome = Literal["ok", "invalid", "error", "neutral"]
+
+
+class BudgetExceeded(AssertionError):
+    """A settle left a dataset's spend above its budget (raised only by a strict ledger)."""
+
+
+@dataclass
+class Account:
+    """Spend of one dataset."""
+
+    budget: int | None
+    spent: int = 0
+    reserved: int = 0
+    cost: float = 0.0
+    requests: int = 0  # settled (billed) requests
+    refused: int = 0  # reservations refused because the budget is spent
+    overrun: int = 0  # tokens billed beyond their reservation
+    restored: int = 0  # spend carried over from an earlier run
+
+
+class BudgetLedger:
+    """Per-dataset completion-token budgets; ``None`` means unlimited."""
+
+    def __init__(self, budgets: Mapping[str, int | None] | None = None, *,
+                 default_budget: int | None = None, strict: bool = False) -> None:
+        self.default_budget = default_budget
+        self.strict = strict
+        self.accounts: dict[str, Account] = {}
+        self.violations: list[str] = []
+        for name, budget in (budgets or {}).items():
+            self.accounts[name] = Account(budget=_check_budget(budget))
+
+    def account(self, dataset: str) -> Account:
+        acc = self.accounts.get(dataset)
+        if acc is None:
+            acc = self.accounts[dataset] = Account(budget=self.default_budget)
+        return acc
+
+    def reserve(self, dataset: str, tokens: int) -> Decision:
+        """Grant ``tokens`` now, ask to wait for in-flight settles, or say the budget is spent.
+
+        "wait" means the request fits once outstanding reservations come back;
+        "exhausted" means it can never fit (spend only grows).
+        """
+        if tokens < 0:
+            raise ValueError("cannot reserve a negative number of tokens")
+        acc = self.account(dataset)
+        if acc.budget is None or acc.spent + acc.reserved + tokens <= acc.budget:
+            acc.reserved += tokens
+            return "granted"
+        if acc.spent + tokens <= acc.budget:
+            return "wait"
+        acc.refused += 1
+        return "exhausted"
+
+    def settle(self, dataset: str, reserved: int, billed: int, cost: float = 0.0) -> None:
+        """Replace a reservation by what was billed; checks the budget invariant."""
+        acc = self.account(dataset)
+        self._unreserve(acc, dataset, reserved)
+        billed = max(0, int(billed))
+        acc.spent += billed
+        acc.cost += float(cost or 0.0)
+        acc.requests += 1
+        if billed > reserved:
+            acc.overrun += billed - reserved
+        if acc.budget is not None and acc.spent > acc.budget:
+            msg = f"dataset {dataset!r}: spent {acc.spent} > budget {acc.budget}"
+            self.violations.append(msg)
+            log.error("budget exceeded: %s", msg)
+            if self.strict:
+                raise BudgetExceeded(msg)
+
+    def release(self, dataset: str, reserved: int) -> None:
+        """Return a reservation for a request that billed nothing."""
+        self._unreserve(self.account(dataset), dataset, reserved)
+
+    def restore(self, spent_by_dataset: Mapping[str, int], cost_by_dataset: Mapping[str, float] | None = None) -> None:
+        """Carry over spend already written by an earlier run (call before any reservation)."""
+        for dataset, spent in spent_by_dataset.items():
+            acc = self.account(dataset)
+            if acc.reserved:
+                raise RuntimeError(f"restore({dataset!r}) while requests are in flight")
+            acc.spent = acc.restored = max(0, int(spent))
+            acc.cost = float((cost_by_dataset or {}).get(dataset, acc.cost))
+
+    def remaining(self, dataset: str) -> int | None:
+        acc = self.account(dataset)
+        return None if acc.budget is None else acc.budget - acc.spent
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        return {name: {"budget": a.budget, "spent": a.spent, "reserved": a.reserved, "cost": a.cost,
+                       "requests": a.requests, "refused": a.refused, "overrun": a.overrun, "restored": a.restored}
+                for name, a in sorted(self.accounts.items())}
+
+    @staticmethod
+    def _unreserve(acc: Account, dataset: str, reserved: int) -> None:
+        if reserved < 0 or reserved > acc.reserved:
+            raise ValueError(f"dataset {dataset!r}: returning {reserved} tokens but only {acc.reserved} are reserved")
+        acc.reserved -= reserved
+
+
+def _check_budget(budget: int | None) -> int | None:
+    if budget is not None and budget < 0:
+        raise ValueError("budgets must be >= 0")
+    return budget
+
+
+@dataclass
+class HealthPolicy:
+    """When a provider is routed around: error or validation-failure rate over a sliding window."""
+
+    window: int = 50
+    min_requests: int = 20
+    max_error_rate: float = 0.5
+    max_invalid_rate: float = 0.2
+
+
+@dataclass
+class ProviderStats:
+    requests: int = 0
+    errors: int = 0
+    invalid: int = 0  # served, but failed a check (billing drift, structure)
+    completion_tokens: int = 0
+    cost: float = 0.0
+    drift_abs_sum: int = 0  # sum of |rebuilt ids - billed completion tokens|
+    drift_n: int = 0
+    recent: deque = field(default_factory=deque)
+    excluded_reason: str | None = None
+
+
+class ProviderHealth:
+    """Per-provider outcomes; excludes a provider once its recent error or invalid rate crosses the policy.
+
+    Exclusion is sticky for the run: a provider serving something else does not
+    get better by being retried, and flapping would mix its samples back in.
+    """
+
+    def __init__(self, policy: HealthPolicy | None = None) -> None:
+        self.policy = policy or HealthPolicy()
+        self.providers: dict[str, ProviderStats] = {}
+
+    def record(self, provider: str, outcome: Outcome, *, billed: int = 0, cost: float = 0.0,
+               drift: int | None = None) -> str | None:
+        """Count one outcome; returns the exclusion reason when this outcome excluded the provider."""
+        if not provider:
+            return None
+        st = self.providers.setdefault(provider, ProviderStats())
+        st.completion_tokens += max(0, int(billed))
+        st.cost += float(cost or 0.0)
+        if drift is not None:
+            st.drift_abs_sum += abs(int(drift))
+            st.drift_n += 1
+        if outcome == "neutral":
+            return None
+        st.requests += 1
+        st.errors += outcome == "error"
+        st.invalid += outcome == "invalid"
+        st.recent.append(outcome)
+        while len(st.recent) > self.policy.window:
+            st.recent.popleft()
+        if st.excluded_reason is not None or len(st.recent) < self.policy.min_requests:
+            return None
+        n = len(st.recent)
+        errors = sum(o == "error" for o in st.recent)
+        invalid = sum(o == "invalid" for o in st.recent)
+        served = n - errors
+        reason = None
+        if errors / n > self.policy.max_error_rate:
+            reason = f"error rate {errors}/{n} > {self.policy.max_error_rate}"
+        elif served and invalid / served > self.policy.max_invalid_rate:
+            reason = f"validation-failure rate {invalid}/{served} > {self.policy.max_invalid_rate}"
+        if reason:
+            st.excluded_reason = reason
+            log.warning("excluding provider %r: %s", provider, reason)
+        return reason
+
+    @property
+    def excluded(self) -> tuple[str, ...]:
+        return tuple(sorted(p for p, st in self.providers.items() if st.excluded_reason))
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        return {p: {"requests": st.requests, "errors": st.errors, "invalid": st.invalid,
+                    "completion_tokens": st.completion_tokens, "cost": st.cost,
+                    "mean_abs_billing_drift": st.drift_abs_sum / st.drift_n if st.drift_n else None,
+                    "excluded": st.excluded_reason}
+                for p, st in sorted(self.providers.items())}
+
+
+# Ops sent in batches to the shared ledger, as plain tuples (cheap to pickle):
+#   ("reserve", dataset, tokens)                                    -> Decision
+#   ("settle", dataset, reserved, billed, cost, provider, outcome, drift) -> None
+#   ("release", dataset, reserved, provider, outcome)               -> None
+Op = tuple
+
+
+class Ledger:
+    """Budgets plus provider health behind one batched entry point; what the Ray actor hosts."""
+
+    def __init__(self, budgets: Mapping[str, int | None] | None = None, *, default_budget: int | None = None,
+                 health: HealthPolicy | None = None, strict: bool = False,
+                 spent: Mapping[str, int] | None = None) -> None:
+        self.budget = BudgetLedger(budgets, default_budget=default_budget, strict=strict)
+        self.health = ProviderHealth(health)
+        self.settles = 0
+        if spent:
+            self.budget.restore(spent)
+
+    def apply(self, ops: Iterable[Op]) -> tuple[list[Any], tuple[str, ...]]:
+        """Run ops in order; returns their results and the providers excluded so far."""
+        results: list[Any] = []
+        for op in ops:
+            kind = op[0]
+            if kind == "reserve":
+                results.append(self.budget.reserve(op[1], op[2]))
+            elif kind == "settle":
+                _, dataset, reserved, billed, cost, provider, outcome, drift = op
+                self.settles += 1
+                self.budget.settle(dataset, reserved, billed, cost)
+                self.health.record(provider, outcome, billed=billed, cost=cost, drift=drift)
+                results.append(None)
+            elif kind == "release":
+                _, dataset, reserved, provider, outcome = op
+                self.budget.release(dataset, reserved)
+                self.health.record(provider, outcome)
+                results.append(None)
+            else:
+                raise ValueError(f"unknown ledger op {kind!r}")
+        return results, self.health.excluded
+
+    def restore(self, spent_by_dataset: Mapping[str, int], cost_by_dataset: Mapping[str, float] | None = None) -> None:
+        self.budget.restore(spent_by_dataset, cost_by_dataset)
+
+    def excluded(self) -> tuple[str, ...]:
+        return self.health.excluded
+
+    def report(self) -> dict[str, Any]:
+        """Tokens and cost per dataset and per provider, exclusions, and any budget violation."""
+        return {"datasets": self.budget.report(), "providers": self.health.report(),
+                "excluded": list(self.health.excluded), "violations": list(self.budget.violations),
+                "settles": self.settles}
+
+
+def spent_from_samples(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Billed completion tokens per dataset in already-written samples (for :meth:`Ledger.restore`).
+
+    Counts each sample's final billed attempt; failed attempts that were billed
+    are not in the samples, so persist ``Ledger.report()`` too and take the max.
+    """
+    spent: dict[str, int] = {}
+    for r in rows:
+        billed = int(r.get("billed_completion_tokens") or 0)
+        if billed > 0:
+            spent[r["dataset"]] = spent.get(r["dataset"], 0) + billed
+    return spent
+
+
+def create_ledger(budgets: Mapping[str, int | None] | None = None, *, name: str | None = None,
+                  default_budget: int | None = None, health: HealthPolicy | None = None,
+                  strict: bool = False, spent: Mapping[str, int] | None = None) -> Any:
+    """Start the shared ledger as a Ray actor (no CPU reserved; calls run one at a time)."""
+    import ray
+
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=1)(Ledger)
+    if name:
+        actor_cls = actor_cls.options(name=name, get_if_exists=True)
+    return actor_cls.remote(budgets, default_budget=default_budget, health=health, strict=strict, spent=spent)

@@ -1,0 +1,226 @@
+"""What the pipeline knows about a target model: tokens, prompt layout, response layout.
+
+A profile is the single source of truth shared by prompt rendering, output
+splitting (what a reasoning parser does), id reconstruction from API text and
+validation. Concrete profiles live next to this module.
+
+When a model folder is configured its tokenizer files and chat template win:
+the profile then renders prompts through that template (``chat_template``) and
+its own built-in layout stays the fallback and the test oracle.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class TextTokenizer(Protocol):
+    """The two operations the pipeline needs from any tokenizer backend."""
+
+    def encode(self, text: str) -> list[int]:
+        """Ids for text; special-token strings inside it become their special ids."""
+
+    def decode(self, ids: list[int]) -> str:
+        """Text for ids, special tokens written out as their strings."""
+
+
+@dataclass
+class Completion:
+    """One assistant response in the shape an OpenAI-compatible API returns it.
+
+    ``completion_tokens`` is the billed count (``usage.completion_tokens``) when
+    known; reconstruction uses it to settle readings the text alone leaves open.
+    """
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None
+    finish_reason: str
+    completion_tokens: int | None = None
+
+
+@dataclass
+class RenderedPrompt:
+    """Prompt ids plus which of them earlier assistant turns produced (for the loss mask)."""
+
+    ids: list[int]
+    assistant_mask: list[int]
+    thinking: bool  # whether the response is expected to open with reasoning
+
+
+@dataclass
+class Profile(ABC):
+    """Token-level facts about one target family."""
+
+    name: str
+    tokenizer: TextTokenizer
+    eot_id: int
+    think_start_id: int
+    think_end_id: int
+    tool_section_begin_id: int
+    tool_section_end_id: int
+    # Every special string the model may write, by text.
+    special_ids: dict[str, int] = field(default_factory=dict)
+    # Ids that belong in prompts only (role headers, BOS, padding, ...).
+    forbidden_output_ids: frozenset[int] = frozenset()
+    # Ids that only appear inside a tool-call section.
+    tool_marker_ids: frozenset[int] = frozenset()
+    # Whitespace the target writes right before and right after ``</think>``;
+    # reconstruction puts it back where a reasoning parser stripped it.
+    think_end_padding: tuple[str, str] = ("", "")
+    # Whether the opening of a tool-call section also ends reasoning (no ``</think>`` needed).
+    tool_section_ends_reasoning: bool = False
+    # A model folder's chat template; when set it renders prompts instead of the built-in layout.
+    chat_template: str | None = None
+    # Extra variables the chat template reads (bos_token, eos_token, ...).
+    template_vars: dict[str, Any] = field(default_factory=dict)
+
+    # -- tokens -----------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    @property
+    def think_end_text(self) -> str:
+        return self.decode([self.think_end_id])
+
+    @property
+    def eot_text(self) -> str:
+        return self.decode([self.eot_id])
+
+    @property
+    def tool_section_begin_text(self) -> str:
+        return self.decode([self.tool_section_begin_id])
+
+    def normalize(self, text: str) -> str:
+        """The text that ``decode(encode(text))`` gives back (Qwen applies NFC; others change nothing)."""
+        norm = getattr(self.tokenizer, "normalize", None)
+        return norm(text) if norm else text
+
+    # -- prompts ----------------------------------------------------------
+    def render_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool
+    ) -> RenderedPrompt:
+        """Chat-template the conversation and open the assistant turn.
+
+        A model folder's template wins over the built-in layout; both give ids
+        exactly as the engine's tokenizer would produce them for that text.
+        """
+        if self.chat_template is None:
+            return self.render_builtin_prompt(messages, tools, thinking)
+        from pipeline.profiles.chat_template import render_template_prompt
+
+        ids, mask = render_template_prompt(self, messages, tools, thinking)
+        return RenderedPrompt(ids=ids, assistant_mask=mask, thinking=self.prompt_opens_reasoning(ids))
+
+    @abstractmethod
+    def render_builtin_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool
+    ) -> RenderedPrompt:
+        """The built-in layout of the conversation, ending in an open assistant turn."""
+
+    def prompt_opens_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Whether a prompt leaves the model inside ``<think>`` (its last start after its last end)."""
+        last_start = max((i for i, t in enumerate(prompt_ids) if t == self.think_start_id), default=-1)
+        last_end = max((i for i, t in enumerate(prompt_ids) if t == self.think_end_id), default=-1)
+        return last_start > last_end
+
+    # -- tool calls -------------------------------------------------------
+    @abstractmethod
+    def render_tool_calls(self, tool_calls: list[dict[str, Any]]) -> str:
+        """Native text of a tool-call section for OpenAI-style structured calls."""
+
+    @abstractmethod
+    def parse_tool_calls(self, section: str) -> list[dict[str, Any]]:
+        """Structured calls from the native text of a tool-call section (raises ValueError)."""
+
+    def parse_tool_section_exactly(self, section: str) -> list[dict[str, Any]]:
+        """Structured calls only when rendering them back gives ``section`` verbatim (else ValueError).
+
+        A parser that accepts looser text than the target's own layout would
+        make the rebuilt ids differ from the emitted ones; such text stays raw.
+        """
+        calls = self.parse_tool_calls(section)
+        if self.render_tool_calls(calls) != section:
+            raise ValueError("tool-call section does not render back verbatim")
+        return calls
+
+    # -- responses --------------------------------------------------------
+    def split_text(self, text: str, thinking: bool) -> Completion:
+        """Split a raw response text the way a server's reasoning and tool parsers do.
+
+        ``text`` is the decoded output with special tokens kept. An end-of-turn
+        string at the end is removed; a response with no end-of-turn is treated
+        as truncated. With thinking on, text before ``</think>`` is reasoning;
+        with no ``</think>`` all of it is (as vLLM's deepseek_r1 parser does),
+        unless the profile's tool-call section ends reasoning implicitly.
+        Whitespace is left exactly as written: this is the parser that strips nothing.
+        """
+        eot = self.eot_text
+        finish = "stop"
+        if text.endswith(eot):
+            text = text[: -len(eot)]
+        else:
+            finish = "length"
+        reasoning: str | None = None
+        begin = self.tool_section_begin_text
+        if thinking:
+            end = self.think_end_text
+            if end in text:
+                reasoning, text = text.split(end, 1)
+            elif self.tool_section_ends_reasoning and begin in text:
+                cut = text.index(begin)
+                reasoning, text = text[:cut], text[cut:]
+            else:
+                reasoning, text = text, ""
+        content, tool_calls = text, None
+        if begin in content:
+            cut = content.index(begin)
+            try:
+                tool_calls = self.parse_tool_section_exactly(content[cut:])
+                content = content[:cut]
+                finish = "tool_calls" if finish == "stop" else finish
+            except ValueError:
+                tool_calls = None
+        return Completion(reasoning=reasoning, content=content, tool_calls=tool_calls, finish_reason=finish)
+
+    def split_ids(self, ids: list[int], thinking: bool) -> Completion:
+        """Split engine output ids into the API shape (decode, then parse as a server does)."""
+        completion = self.split_text(self.decode(ids), thinking)
+        completion.completion_tokens = len(ids)
+        return completion
+
+
+def tool_call(name: str, arguments: Any, call_id: str) -> dict[str, Any]:
+    """An OpenAI-style structured tool call."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def call_arguments(call: dict[str, Any]) -> str:
+    """A structured call's arguments as the text the model wrote (strings verbatim, objects as JSON)."""
+    fn = call.get("function", call)
+    args = fn.get("arguments", "")
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def message_text(content: Any) -> str:
+    """A message's text: a string, or the text parts of an OpenAI content list joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def tool_function(tool: dict[str, Any]) -> dict[str, Any]:
+    """The function object of an OpenAI tool (``{"type": "function", "function": {...}}``) or a bare one."""
+    return tool.get("function", tool)

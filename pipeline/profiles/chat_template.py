@@ -1,0 +1,129 @@
+"""Render prompts through a model folder's Jinja chat template, as engines do.
+
+The text is rendered with transformers' own template renderer (the one
+``apply_chat_template`` and vLLM use) and tokenized with the profile's
+tokenizer, so the ids equal what the engine is given for the same request.
+
+The assistant mask is found on ids, not text: for each assistant message, the
+ids of the conversation up to it plus a generation prompt and the ids up to and
+including it share a prefix; what follows that prefix, through the turn's
+end-of-turn id, is what the model wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.profiles.base import Profile
+
+
+def render_template_text(
+    template: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    thinking: bool,
+    add_generation_prompt: bool,
+    template_vars: dict[str, Any] | None = None,
+) -> str:
+    """The chat template's text; thinking is passed under both names templates use."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[messages],
+        tools=tools or None,
+        chat_template=template,
+        add_generation_prompt=add_generation_prompt,
+        thinking=thinking,
+        enable_thinking=thinking,
+        **(template_vars or {}),
+    )
+    return rendered[0]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def render_template_prompt(
+    profile: Profile, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool
+) -> tuple[list[int], list[int]]:
+    """Prompt ids through ``profile.chat_template`` and the mask of earlier assistant output."""
+    assert profile.chat_template is not None
+
+    def ids(msgs: list[dict[str, Any]], gen: bool) -> list[int]:
+        text = render_template_text(
+            profile.chat_template, msgs, tools, thinking=thinking, add_generation_prompt=gen,
+            template_vars=profile.template_vars,
+        )
+        return profile.encode(text)
+
+    full = ids(messages, True)
+    mask = [0] * len(full)
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        through = ids(messages[: i + 1], False)
+        if full[: len(through)] != through:
+            continue  # the template renders this turn differently once later turns exist
+        start = _common_prefix(ids(messages[:i], True), through)
+        # The turn ends at its end-of-turn id; template text after it is not the model's.
+        ends = [k for k in range(start, len(through)) if through[k] == profile.eot_id]
+        for k in range(start, ends[-1] + 1 if ends else len(through)):
+            mask[k] = 1
+    return full, mask
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def folder_chat_template(model_dir: str | Path) -> tuple[str | None, dict[str, Any]]:
+    """A model folder's chat template (chat_template.jinja, else tokenizer_config.json) and its token vars."""
+    folder = Path(model_dir)
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    template: str | None = None
+    if (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    else:
+        raw = cfg.get("chat_template")
+        if isinstance(raw, list):  # named templates: the default one renders chats
+            raw = next((t["template"] for t in raw if t.get("name") == "default"), None)
+        template = raw
+    template_vars = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return template, {k: v for k, v in template_vars.items() if v is not None}
+
+
+def encode_segments(
+    encode: Callable[[str], list[int]], segments: list[tuple[str, bool]]
+) -> tuple[list[int], list[int]]:
+    """Ids of the joined text, and a mask of the tokens that came from segments flagged True.
+
+    The text is encoded whole (as the engine does), never piecewise: a segment
+    boundary inside a BPE merge is placed at the first token whose ids differ
+    from those of the text before the boundary.
+    """
+    text = "".join(t for t, _ in segments)
+    full = encode(text)
+    mask = [0] * len(full)
+    pos = 0
+    for seg, flagged in segments:
+        if flagged and seg:
+            start = _common_prefix(encode(text[:pos]), full)
+            end = _common_prefix(encode(text[: pos + len(seg)]), full)
+            for k in range(start, end):
+                mask[k] = 1
+        pos += len(seg)
+    return full, mask

@@ -1,0 +1,273 @@
+"""The main job: prompts -> render -> generate -> validate -> shards -> hidden states -> drafter.
+
+Read top to bottom: each function is one phase; the Ray Data stages they wire
+together live in stages.py, sources/ and extract.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import RunConfig, VLLMSourceConfig
+from pipeline.datasets import load_dataset
+from pipeline.records import QUARANTINE_SCHEMA
+from pipeline.stages import FLIGHT_SCHEMA, RenderPrompts, ValidateSamples, WriteShards, _atomic_write, shard_name
+
+log = logging.getLogger("pipeline")
+
+
+@dataclass
+class Timings:
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, t0: float) -> None:
+        self.seconds[name] = round(time.perf_counter() - t0, 2)
+
+
+def init_ray(cfg: RunConfig) -> None:
+    """Join the cluster named by config or RAY_ADDRESS; otherwise start a private local Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, runtime_env=runtime_env)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+
+
+def read_prompts(cfg: RunConfig, out: Path) -> tuple[list[dict[str, Any]], Counter]:
+    """All prompt rows not yet finished; malformed rows go straight to quarantine."""
+    done = finished_ids(out)
+    prompts, bad_rows, counts = [], [], Counter()
+    for d in cfg.datasets:
+        rows, bad = load_dataset(d)
+        counts[f"{d.name}.rows"] = len(rows) + len(bad)
+        prompts += [r for r in rows if r["sample_id"] not in done]
+        bad_rows += [b for b in bad if b["sample_id"] not in done]
+    if bad_rows:
+        qdir = out / "quarantine"
+        qdir.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pylist(bad_rows, schema=QUARANTINE_SCHEMA)
+        _atomic_write(table, qdir / shard_name([b["sample_id"] for b in bad_rows]))
+    counts["resumed_done"] = len(done)
+    return prompts, counts
+
+
+def finished_ids(out: Path) -> set[str]:
+    """Sample ids already written as passed or quarantined (a resumed run skips them)."""
+    ids: set[str] = set()
+    for sub in ("samples", "quarantine"):
+        for f in sorted((out / sub).glob("*.parquet")):
+            ids.update(pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist())
+    return ids
+
+
+def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
+    """Stream prompts through render -> source -> validate -> shard writer; return per-sample summaries."""
+    import ray.data
+
+    from pipeline.sources.vllm_source import VLLMGenerator
+
+    if not prompts:
+        return []
+    source = cfg.sources[0]
+    if not isinstance(source, VLLMSourceConfig):
+        raise NotImplementedError(f"source kind {source.kind!r} is not wired into the run yet")
+    model = cfg.model
+    ds = ray.data.from_items(prompts, override_num_blocks=max(1, len(prompts) // source.batch_size))
+    ds = ds.map_batches(RenderPrompts, fn_constructor_args=(model.profile, model.path), batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+    ds = ds.map_batches(
+        VLLMGenerator,
+        fn_constructor_args=(model.path, model.profile, cfg.sampling.model_dump(), source.model_dump(), source.name),
+        batch_size=source.batch_size, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(min_size=source.num_actors, max_size=source.max_actors or source.num_actors),
+        num_cpus=source.num_cpus, num_gpus=source.num_gpus,
+    )
+    checks = {d.name: d.checks.model_dump() for d in cfg.datasets}
+    ds = ds.map_batches(ValidateSamples, fn_constructor_args=(model.profile, model.path, checks),
+                        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+    ds = ds.map_batches(WriteShards, fn_constructor_args=(str(out),), batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+    summaries: list[dict[str, Any]] = []
+    progress = Progress(len(prompts))
+    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        summaries += batch.to_pylist()
+        progress.update(summaries)
+    progress.update(summaries, final=True)
+    return summaries
+
+
+class Progress:
+    """Periodic one-line status that stays readable in `ray job logs`."""
+
+    def __init__(self, total: int, every_s: float = 10.0) -> None:
+        self.total, self.every_s = total, every_s
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, summaries: list[dict[str, Any]], final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now - self.last < self.every_s:
+            return
+        self.last = now
+        done = len(summaries)
+        quarantined = sum(s["status"] == "quarantine" for s in summaries)
+        rate = done / max(now - self.t0, 1e-9)
+        eta = (self.total - done) / rate if rate > 0 else float("inf")
+        print(f"[generate] {done}/{self.total} done, {quarantined} quarantined, {rate:.1f} samples/s, "
+              f"ETA {eta:.0f}s", flush=True)
+
+
+def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, Any]:
+    """Hidden states streamed from the extraction actors straight into the Ray Train loop."""
+    import ray.data
+    from transformers import AutoConfig
+
+    from pipeline.extract import HiddenStateExtractor, bytes_per_token
+    from training.config import resolve_aux_layer_ids
+
+    samples_dir = out / "samples"
+    if not any(samples_dir.glob("*.parquet")):
+        return {"skipped": "no passed samples to train on"}
+    tcfg = cfg.training
+    target_cfg = AutoConfig.from_pretrained(cfg.model.path)
+    aux_ids = cfg.extraction.aux_layer_ids or resolve_aux_layer_ids(tcfg, target_cfg.num_hidden_layers)
+    ex = cfg.extraction
+    ds = ray.data.read_parquet(str(samples_dir), columns=["sample_id", "dataset", "row_index", "source",
+                                                          "prompt_ids", "prompt_assistant_mask", "output_ids"])
+    ds = ds.map_batches(
+        HiddenStateExtractor,
+        fn_constructor_args=(cfg.model.path, aux_ids, ex.max_len, ex.too_long, ex.batch_tokens,
+                             str(out / "quarantine")),
+        batch_format="pyarrow", batch_size=16,
+        compute=ray.data.ActorPoolStrategy(size=ex.num_actors), num_cpus=ex.num_cpus, num_gpus=ex.num_gpus,
+    )
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"aux_layer_ids": aux_ids,
+                              "bytes_per_token": bytes_per_token(target_cfg.hidden_size, len(aux_ids))}
+    if tcfg is None:
+        n = ds.count()
+        timings.add("extract", t0)
+        result["extracted"] = n
+        return result
+    from training.train import train_drafter
+
+    tcfg = tcfg.model_copy(update={"aux_layer_ids": aux_ids})
+    res = train_drafter(ds, tcfg, cfg.model.path, out / "drafter")
+    timings.add("extract+train", t0)
+    result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
+                  metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
+    return result
+
+
+def summarize(summaries: list[dict[str, Any]], counts: Counter, out: Path) -> dict[str, Any]:
+    """Figures over everything written for this run (including earlier, resumed attempts)."""
+    samples = _read_all(out / "samples", ["sample_id", "dataset", "output_ids", "checks_flagged", "source"])
+    quarantine = _read_all(out / "quarantine", ["sample_id", "dataset", "stage", "reason"])
+    passed_ids = {r["sample_id"] for r in samples}
+    q_ids = {r["sample_id"] for r in quarantine if r["sample_id"] not in passed_ids}
+    stage_counts = Counter(r["stage"] for r in quarantine)
+    flagged = Counter(c for r in samples for c in r["checks_flagged"])
+    reasons = Counter(r["reason"].split(":")[0] for r in quarantine)
+    rows_in = sum(v for k, v in counts.items() if k.endswith(".rows"))
+    # Extraction may quarantine a sample that was written as passed: it stays counted as passed data
+    # (its generation is good) and is reported under quarantine.by_stage.extract.
+    return {
+        "rows_in": rows_in,
+        "passed": len(passed_ids),
+        "quarantined": len(q_ids),
+        "quarantine_by_stage": dict(stage_counts),
+        "quarantine_reasons": dict(reasons.most_common(10)),
+        "flagged": dict(flagged),
+        "tokens_generated": sum(len(r["output_ids"]) for r in samples),
+        "duplicates_in_shards": len(samples) - len(passed_ids),
+        "this_attempt": {"samples": len(summaries), "resumed_done": counts["resumed_done"]},
+        "by_dataset": {
+            d: {"passed": sum(r["dataset"] == d for r in samples),
+                "quarantined": sum(r["dataset"] == d and r["sample_id"] in q_ids for r in quarantine)}
+            for d in sorted({k.rsplit(".", 1)[0] for k in counts if k.endswith(".rows")})
+        },
+    }
+
+
+def _read_all(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for f in sorted(folder.glob("*.parquet")):
+        rows += pq.read_table(f, columns=columns).to_pylist()
+    return rows
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    """Run the whole job and return its report (also written to OUTPUT/report.json)."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timings = Timings()
+    t_all = time.perf_counter()
+    if cfg.model.build_tiny:
+        from pipeline.tiny_model import build_tiny_target
+
+        build_tiny_target(cfg.model.path)
+    t0 = time.perf_counter()
+    init_ray(cfg)
+    timings.add("ray_init", t0)
+
+    t0 = time.perf_counter()
+    prompts, counts = read_prompts(cfg, out)
+    timings.add("read", t0)
+    t0 = time.perf_counter()
+    summaries = generate(cfg, prompts, out)
+    timings.add("generate", t0)
+    report: dict[str, Any] = summarize(summaries, counts, out)
+    if report["passed"] + report["quarantined"] != report["rows_in"]:
+        raise RuntimeError(f"sample conservation violated: rows in {report['rows_in']} != passed "
+                           f"{report['passed']} + quarantined {report['quarantined']}")
+    report["training"] = extract_and_train(cfg, out, timings) if cfg.training is not None else None
+    timings.add("total", t_all)
+    report["seconds"] = timings.seconds
+    gen_s = timings.seconds.get("generate") or 0.0
+    report["throughput"] = {
+        "samples_per_s": round(len(summaries) / gen_s, 2) if gen_s else None,
+        "tokens_per_s": round(sum(s["n_output"] for s in summaries) / gen_s, 1) if gen_s else None,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(format_report(report, out), flush=True)
+    return report
+
+
+def format_report(r: dict[str, Any], out: Path) -> str:
+    lines = [
+        "",
+        "=" * 64,
+        f"Run report ({out})",
+        f"  rows in      {r['rows_in']}",
+        f"  passed       {r['passed']}",
+        f"  quarantined  {r['quarantined']}  by stage {r['quarantine_by_stage']}",
+        f"  flagged      {r['flagged']}",
+        f"  tokens generated {r['tokens_generated']}",
+        f"  throughput   {r['throughput']}",
+        f"  seconds      {r['seconds']}",
+    ]
+    t = r.get("training") or {}
+    if t.get("export_dir"):
+        lines.append(f"  drafter      {t['export_dir']}")
+    lines.append("=" * 64)
+    return "\n".join(lines)
+
+
+__all__ = ["run", "FLIGHT_SCHEMA"]

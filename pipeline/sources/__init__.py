@@ -1,0 +1,1 @@
+"""Inference sources: local engines and HTTP APIs, each a Ray Data callable class."""

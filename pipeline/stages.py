@@ -1,0 +1,142 @@
+"""Ray Data stages around the pure logic: render prompts, validate samples, write shards.
+
+Every stage takes and returns batches of in-flight rows: the sample columns
+plus ``status`` (ok | quarantine | not_generated), ``stage`` and ``reason``.
+A row never disappears: a stage that cannot handle it marks it and passes it on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import ChecksConfig
+from pipeline.profiles import load_profile
+from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, quarantine_row
+from pipeline.validate import validate_sample
+
+FLIGHT_SCHEMA = SAMPLE_SCHEMA.append(pa.field("status", pa.string())) \
+    .append(pa.field("stage", pa.string())).append(pa.field("reason", pa.string()))
+
+
+def batch_to_rows(batch: pa.Table | dict[str, Any]) -> list[dict[str, Any]]:
+    if isinstance(batch, pa.Table):
+        return batch.to_pylist()
+    keys = list(batch)
+    n = len(batch[keys[0]]) if keys else 0
+    return [{k: _py(batch[k][i]) for k in keys} for i in range(n)]
+
+
+def _py(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema = FLIGHT_SCHEMA) -> pa.Table:
+    return pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
+
+
+def mark(row: dict[str, Any], status: str, stage: str, reason: str) -> dict[str, Any]:
+    row.update(status=status, stage=stage, reason=reason)
+    return row
+
+
+class RenderPrompts:
+    """Chat-template each prompt into the exact ids the engine is given."""
+
+    def __init__(self, profile: str, model_dir: str | None) -> None:
+        self.profile = load_profile(profile, model_dir)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from pipeline.records import empty_sample
+
+        out = []
+        for row in batch_to_rows(batch):
+            sample = empty_sample(row)
+            sample.update(status="ok", stage="", reason="")
+            try:
+                tools = json.loads(row["tools"]) if row["tools"] else None
+                rendered = self.profile.render_prompt(json.loads(row["messages"]), tools, bool(row["thinking"]))
+                sample["prompt_ids"] = rendered.ids
+                sample["prompt_assistant_mask"] = rendered.assistant_mask
+                sample["thinking"] = rendered.thinking
+            except Exception as e:  # a prompt the template cannot render is quarantined, not fatal
+                mark(sample, "quarantine", "render", f"render failed: {type(e).__name__}: {e}")
+            out.append(sample)
+        return rows_to_table(out)
+
+
+class ValidateSamples:
+    """Run the named checks; failures in quarantine mode route the sample to quarantine."""
+
+    def __init__(self, profile: str, model_dir: str | None, checks: dict[str, dict[str, Any]]) -> None:
+        self.profile = load_profile(profile, model_dir)
+        self.checks = {name: ChecksConfig.model_validate(c) for name, c in checks.items()}
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        out = []
+        for row in batch_to_rows(batch):
+            if row["status"] == "ok":
+                verdict = validate_sample(row, self.profile, self.checks[row["dataset"]])
+                row["checks_failed"] = sorted(verdict.failed)
+                row["checks_flagged"] = sorted(verdict.flagged)
+                row["check_details"] = json.dumps({**verdict.failed, **verdict.flagged}, ensure_ascii=False)
+                if not verdict.passed:
+                    reason = "; ".join(f"{k}: {v}" for k, v in sorted(verdict.failed.items()))
+                    mark(row, "quarantine", "validate", reason)
+            out.append(row)
+        return rows_to_table(out)
+
+
+def _atomic_write(table: pa.Table, path: Path) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+def shard_name(sample_ids: list[str]) -> str:
+    """Content-addressed: a retried batch rewrites the same file instead of adding a copy."""
+    digest = hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()[:20]
+    return f"part-{digest}.parquet"
+
+
+class WriteShards:
+    """Write ok rows to samples/, quarantined rows to quarantine/, return one summary row per sample."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.samples = Path(output_dir) / "samples"
+        self.quarantine = Path(output_dir) / "quarantine"
+        self.samples.mkdir(parents=True, exist_ok=True)
+        self.quarantine.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch_to_rows(batch)
+        ok = [r for r in rows if r["status"] == "ok"]
+        bad = [r for r in rows if r["status"] == "quarantine"]
+        if ok:
+            _atomic_write(rows_to_table(ok, SAMPLE_SCHEMA), self.samples / shard_name([r["sample_id"] for r in ok]))
+        if bad:
+            q = [quarantine_row(r, r["stage"], r["reason"]) for r in bad]
+            path = self.quarantine / shard_name([r["sample_id"] for r in q])
+            _atomic_write(rows_to_table(q, QUARANTINE_SCHEMA), path)
+        return pa.Table.from_pylist([{
+            "sample_id": r["sample_id"], "dataset": r["dataset"], "status": r["status"], "stage": r["stage"],
+            "source": r.get("source") or "", "provider": r.get("provider") or "",
+            "n_output": len(r["output_ids"] or []), "t_generate_s": r.get("t_generate_s") or 0.0,
+            "checks_failed": r["checks_failed"] or [], "checks_flagged": r["checks_flagged"] or [],
+            "billed": r.get("billed_completion_tokens") if r.get("billed_completion_tokens") is not None else -1,
+            "cost": r.get("cost") or 0.0,
+        } for r in rows], schema=SUMMARY_SCHEMA)
+
+
+SUMMARY_SCHEMA = pa.schema([
+    ("sample_id", pa.string()), ("dataset", pa.string()), ("status", pa.string()), ("stage", pa.string()),
+    ("source", pa.string()), ("provider", pa.string()), ("n_output", pa.int64()), ("t_generate_s", pa.float64()),
+    ("checks_failed", pa.list_(pa.string())), ("checks_flagged", pa.list_(pa.string())),
+    ("billed", pa.int64()), ("cost", pa.float64()),
+])

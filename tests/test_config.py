@@ -1,0 +1,256 @@
+"""Run config: a valid YAML loads; every kind of mistake is a ConfigError naming the key or file."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, RunConfig, load_config
+from training.config import DraftTrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BASE = {
+    "output_dir": "runs/test",
+    "model": {"profile": "deepseek", "path": "models/tiny", "build_tiny": True},
+    "datasets": [
+        {"name": "chat", "path": "prompts/chat.jsonl", "format": "messages", "sources": ["local"]},
+        {"name": "math", "path": "prompts/math.jsonl", "format": "instruction",
+         "columns": {"instruction": "question"}, "thinking": False, "max_rows": 5},
+    ],
+    "sources": [{"kind": "vllm", "name": "local"}, {"kind": "transformers", "name": "hf"}],
+    "sampling": {"max_tokens": 64, "seed": 3},
+    "training": {"steps": 5, "ttt_steps": 2},
+}
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "prompts").mkdir()
+    for name in ("chat.jsonl", "math.jsonl"):
+        (tmp_path / "prompts" / name).write_text("{}\n")
+    return tmp_path
+
+
+def _write(workdir: Path, cfg: dict | str, name: str = "run.yaml") -> Path:
+    path = workdir / name
+    path.write_text(cfg if isinstance(cfg, str) else yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _error(workdir: Path, cfg: dict | str) -> str:
+    path = _write(workdir, cfg)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, base_dir=workdir)
+    msg = str(err.value)
+    assert str(path) in msg  # every error names the config file
+    return msg
+
+
+def _edit(**changes) -> dict:
+    cfg = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = cfg
+        for key in parents:
+            node = node[int(key)] if key.isdigit() else node[key]
+        node[int(leaf) if leaf.isdigit() else leaf] = value
+    return cfg
+
+
+# -- valid configs ------------------------------------------------------------
+
+
+def test_valid_config_loads_and_resolves_paths(workdir):
+    cfg = load_config(_write(workdir, BASE), base_dir=workdir)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.output_dir == str(workdir / "runs/test")
+    assert cfg.model.profile == "deepseek" and cfg.model.build_tiny
+    assert cfg.model.path == str(workdir / "models/tiny")  # need not exist: it is built
+    chat, math = cfg.datasets
+    assert chat.path == str(workdir / "prompts/chat.jsonl") and chat.sources == ["local"]
+    assert chat.format == "messages" and chat.thinking and chat.max_rows is None
+    assert math.columns == {"instruction": "question"} and not math.thinking and math.max_rows == 5
+    assert [(s.kind, s.name) for s in cfg.sources] == [("vllm", "local"), ("transformers", "hf")]
+    assert cfg.sampling.max_tokens == 64 and cfg.sampling.seed == 3 and cfg.sampling.temperature == 1.0
+    assert isinstance(cfg.training, DraftTrainConfig)
+    assert cfg.training.steps == 5 and cfg.training.ttt_steps == 2 and cfg.training.lr == 1e-3
+
+
+def test_minimal_config_gets_defaults(workdir):
+    cfg = load_config(_write(workdir, """
+output_dir: /abs/out
+model: {profile: qwen3}
+datasets: [{name: chat, path: prompts/chat.jsonl}]
+sources: [{kind: vllm, name: local}]
+"""), base_dir=workdir)
+    assert cfg.output_dir == "/abs/out"
+    assert cfg.model.path is None
+    assert cfg.datasets[0].format == "messages" and cfg.datasets[0].checks.structure == "quarantine"
+    assert cfg.training == DraftTrainConfig()
+    assert cfg.ray.address is None
+
+
+def test_existing_model_dir_without_build(workdir):
+    (workdir / "models" / "real").mkdir(parents=True)
+    cfg = load_config(_write(workdir, _edit(model={"profile": "kimi-k2.5", "path": "models/real"})), base_dir=workdir)
+    assert cfg.model.path == str(workdir / "models/real") and not cfg.model.build_tiny
+
+
+def test_training_can_be_disabled(workdir):
+    assert load_config(_write(workdir, _edit(training=None)), base_dir=workdir).training is None
+
+
+def test_relative_paths_default_to_cwd(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    cfg = load_config(_write(workdir, BASE))
+    assert cfg.datasets[0].path == str(workdir / "prompts/chat.jsonl")
+
+
+def test_shipped_tiny_config_loads():
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", base_dir=ROOT)
+    assert {d.name for d in cfg.datasets} == {"chat", "code", "math", "tools", "tools_glaive"}
+    assert all(Path(d.path).is_file() for d in cfg.datasets)
+
+
+# -- unknown keys ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cfg", "key"),
+    [
+        (_edit(outptu_dir="x"), "outptu_dir"),
+        (_edit(datasets__0__colums={"messages": "dialog"}), "datasets.0.colums"),
+        (_edit(datasets__1__thinkng=True), "datasets.1.thinkng"),
+        (_edit(model__tokenizer="x"), "model.tokenizer"),
+        (_edit(sampling__temprature=0.5), "sampling.temprature"),
+        (_edit(training__stepz=10), "training.stepz"),
+        (_edit(sources__0__gpus=1), "sources.0.vllm.gpus"),
+        (_edit(datasets__0__checks={"structur": "off"}), "datasets.0.checks.structur"),
+        (_edit(ray={"adress": "auto"}), "ray.adress"),
+    ],
+)
+def test_unknown_key_is_named(workdir, cfg, key):
+    msg = _error(workdir, cfg)
+    assert re.search(rf"^\s*{re.escape(key)}: Extra inputs are not permitted", msg, re.M), msg
+
+
+# -- wrong types and values -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cfg", "key"),
+    [
+        (_edit(sampling__max_tokens="many"), "sampling.max_tokens"),
+        (_edit(sampling__max_tokens=0), "sampling.max_tokens"),
+        (_edit(training__steps="ten"), "training.steps"),
+        (_edit(datasets__0__max_rows=[1]), "datasets.0.max_rows"),
+        (_edit(datasets__0__format="csv"), "datasets.0.format"),
+        (_edit(datasets__0__name="has space"), "datasets.0.name"),
+        (_edit(datasets__0__columns=["messages"]), "datasets.0.columns"),
+        (_edit(model__profile="llama"), "model.profile"),
+        (_edit(model__build_tiny="sometimes"), "model.build_tiny"),
+        (_edit(datasets="chat.jsonl"), "datasets"),
+        (_edit(datasets=[]), "datasets"),
+        (_edit(sources__0__kind="sglang"), "sources.0"),
+        (_edit(datasets__0__checks={"repetition": "explode"}), "datasets.0.checks.repetition"),
+        (_edit(training__aux_layer_ids=[3, 2, 1]), "training.aux_layer_ids"),
+    ],
+)
+def test_wrong_type_or_value_is_named(workdir, cfg, key):
+    msg = _error(workdir, cfg)
+    assert re.search(rf"^\s*{re.escape(key)}(\.\S+)?: ", msg, re.M), msg
+
+
+@pytest.mark.parametrize("key", ["output_dir", "model", "datasets", "sources"])
+def test_missing_required_key_is_named(workdir, key):
+    cfg = copy.deepcopy(BASE)
+    del cfg[key]
+    msg = _error(workdir, cfg)
+    assert re.search(rf"^\s*{key}: Field required", msg, re.M), msg
+
+
+def test_missing_dataset_key_is_named(workdir):
+    cfg = copy.deepcopy(BASE)
+    del cfg["datasets"][1]["path"]
+    assert "datasets.1.path: Field required" in _error(workdir, cfg)
+
+
+# -- files ----------------------------------------------------------------------
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="config file not found") as err:
+        load_config(missing)
+    assert str(missing) in str(err.value)
+
+
+def test_config_path_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path)
+
+
+def test_missing_dataset_file(workdir):
+    msg = _error(workdir, _edit(datasets__1__path="prompts/absent.jsonl"))
+    assert "dataset 'math'" in msg and str(workdir / "prompts/absent.jsonl") in msg and "not found" in msg
+
+
+def test_dataset_with_unreadable_extension(workdir):
+    (workdir / "prompts" / "rows.csv").write_text("a,b\n")
+    msg = _error(workdir, _edit(datasets__0__path="prompts/rows.csv"))
+    assert "dataset 'chat'" in msg and "rows.csv" in msg
+
+
+def test_missing_model_dir_without_build(workdir):
+    msg = _error(workdir, _edit(model={"profile": "deepseek", "path": "models/absent"}))
+    assert "model.path" in msg and str(workdir / "models/absent") in msg
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "output_dir: runs\nmodel: {profile: deepseek\n",  # unclosed flow mapping
+        "datasets:\n  - name: a\n   path: b\n",  # bad indentation
+        "output_dir: [runs\n",
+        "\tkey: tab-indented\n",
+    ],
+)
+def test_invalid_yaml(workdir, text):
+    assert "not valid YAML" in _error(workdir, text)
+
+
+@pytest.mark.parametrize("text", ["", "- just\n- a list\n", "plain string\n"])
+def test_top_level_not_a_mapping(workdir, text):
+    assert "top level must be a mapping" in _error(workdir, text)
+
+
+# -- cross checks -----------------------------------------------------------------
+
+
+def test_duplicate_dataset_names(workdir):
+    msg = _error(workdir, _edit(datasets__1__name="chat"))
+    assert "dataset names must be unique" in msg and "'chat', 'chat'" in msg
+
+
+def test_duplicate_source_names(workdir):
+    msg = _error(workdir, _edit(sources=[{"kind": "vllm", "name": "local"}, {"kind": "transformers", "name": "local"}]))
+    assert "source names must be unique" in msg and "local" in msg
+
+
+def test_dataset_names_unknown_source(workdir):
+    msg = _error(workdir, _edit(datasets__0__sources=["local", "remote"]))
+    assert "dataset 'chat' names unknown source 'remote'" in msg
+
+
+def test_default_source_names_count_as_known(workdir):
+    cfg = _edit(sources=[{"kind": "vllm"}], datasets__0__sources=["vllm"])
+    assert load_config(_write(workdir, cfg), base_dir=workdir).sources[0].name == "vllm"
+
+
+def test_build_tiny_needs_a_path(workdir):
+    assert "model.build_tiny needs model.path" in _error(workdir, _edit(model={"build_tiny": True}))

@@ -1,0 +1,257 @@
+"""Pure wire rules of the HTTP source: request bodies, response interpretation, retries, redaction."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.profiles import load_profile
+from pipeline.profiles.base import Completion
+from pipeline.reconstruct import rebuild_ids
+from pipeline.sources.http_config import OpenRouterSourceConfig, ProviderPreferences
+from pipeline.sources.http_engine import Secret, request_options
+from pipeline.sources.http_wire import (
+    FATAL_STATUS,
+    RETRYABLE_STATUS,
+    Failure,
+    Reply,
+    RequestOptions,
+    backoff_s,
+    billing_drift,
+    build_request,
+    completion_from_message,
+    drift_exceeds,
+    interpret,
+    normalize_for_profile,
+    parse_retry_after,
+    redact,
+)
+from pipeline.config import SamplingConfig
+
+MSGS = [{"role": "user", "content": "hi"}]
+OPTS = RequestOptions(model="m", max_tokens=64, temperature=0.7, top_p=0.9, seed=5)
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return load_profile("deepseek")
+
+
+def ok_body(**over) -> dict:
+    body = {"id": "gen-1", "provider": "Alpha", "model": "m", "object": "chat.completion", "created": 1,
+            "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "Hello", "reasoning": "Think"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "cost": 0.01}}
+    body.update(over)
+    return body
+
+
+# -- requests ------------------------------------------------------------------
+
+
+def test_sampling_is_always_explicit():
+    body = build_request(MSGS, None, False, OPTS)
+    assert {k: body[k] for k in ("temperature", "top_p", "max_tokens", "seed")} == \
+        {"temperature": 0.7, "top_p": 0.9, "max_tokens": 64, "seed": 5}
+    assert body["stream"] is False and body["messages"] == MSGS and body["model"] == "m"
+
+
+def test_reasoning_styles():
+    on = RequestOptions(**{**OPTS.__dict__, "reasoning": {"effort": "high"}})
+    assert build_request(MSGS, None, True, on)["reasoning"] == {"effort": "high"}
+    assert build_request(MSGS, None, False, on)["reasoning"] == {"enabled": False}
+    vllm = RequestOptions(**{**OPTS.__dict__, "reasoning_style": "chat_template_kwargs"})
+    body = build_request(MSGS, None, True, vllm)
+    assert "reasoning" not in body and body["chat_template_kwargs"]["thinking"] is True
+    none = RequestOptions(**{**OPTS.__dict__, "reasoning_style": "none"})
+    assert "reasoning" not in build_request(MSGS, None, True, none)
+
+
+def test_tools_only_sent_when_configured():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert "tools" not in build_request(MSGS, tools, False, OPTS)
+    send = RequestOptions(**{**OPTS.__dict__, "send_tools": True})
+    body = build_request(MSGS, tools, False, send)
+    assert body["tools"] == tools and body["tool_choice"] == "auto"
+
+
+def test_provider_object_passes_through_and_exclusions_join_ignore():
+    prefs = ProviderPreferences(order=["A", "B"], ignore=["C"], allow_fallbacks=False, require_parameters=True,
+                                quantizations=["bf16"], data_collection="deny", sort="throughput", only=["A", "B"])
+    cfg = OpenRouterSourceConfig(model="m", provider=prefs)
+    opts = request_options(cfg, SamplingConfig())
+    body = build_request(MSGS, None, False, opts, excluded=["D", "C"])
+    assert body["provider"] == {"order": ["A", "B"], "only": ["A", "B"], "ignore": ["C", "D"],
+                                "allow_fallbacks": False, "require_parameters": True,
+                                "data_collection": "deny", "quantizations": ["bf16"], "sort": "throughput"}
+    assert "provider" not in build_request(MSGS, None, False, OPTS)
+    with pytest.raises(ValueError):
+        ProviderPreferences(orders=["A"])  # unknown keys are rejected, as OpenRouter does
+
+
+def test_source_sampling_overrides_run_sampling():
+    cfg = OpenRouterSourceConfig(model="m", sampling=SamplingConfig(temperature=0.1, max_tokens=7))
+    opts = request_options(cfg, SamplingConfig(temperature=0.9))
+    assert (opts.temperature, opts.max_tokens) == (0.1, 7)
+
+
+# -- responses -----------------------------------------------------------------
+
+
+def test_padded_success_parses():
+    raw = b"\n\n     \n" + json.dumps(ok_body()).encode()
+    r = interpret(200, raw)
+    assert isinstance(r, Reply)
+    assert (r.provider, r.billed, r.cost, r.generation_id) == ("Alpha", 5, 0.01, "gen-1")
+    assert r.completion == Completion("Think", "Hello", None, "stop")
+
+
+@pytest.mark.parametrize("status", sorted(RETRYABLE_STATUS))
+def test_retryable_statuses(status):
+    body = json.dumps({"error": {"code": status, "message": "busy", "metadata": {"provider_name": "Beta"}}})
+    f = interpret(status, body.encode(), "3")
+    assert isinstance(f, Failure) and f.retryable and f.status == status and f.retry_after == 3.0
+    assert f.provider == "Beta"
+
+
+@pytest.mark.parametrize("status", sorted(FATAL_STATUS))
+def test_fatal_statuses(status):
+    f = interpret(status, json.dumps({"error": {"code": status, "message": "no"}}).encode())
+    assert isinstance(f, Failure) and not f.retryable
+
+
+def test_non_json_error_bodies_and_garbage():
+    f = interpret(502, b"<html>bad gateway</html>")
+    assert isinstance(f, Failure) and f.retryable and "bad gateway" in f.message
+    f = interpret(200, b'{"id": "gen-1", "choices": [')  # cut off mid-body
+    assert isinstance(f, Failure) and f.retryable and f.kind == "body"
+    f = interpret(200, b"   \n  ")  # padding and nothing else
+    assert isinstance(f, Failure) and f.retryable
+
+
+def test_errors_inside_http_200():
+    err_choice = ok_body()
+    err_choice["choices"][0].update(finish_reason="error", error={"code": 502, "message": "upstream died"})
+    f = interpret(200, json.dumps(err_choice))
+    assert isinstance(f, Failure) and f.retryable and "upstream died" in f.message
+    assert f.billed == 5 and f.provider == "Alpha"  # spend in a failed answer still counts
+
+    f = interpret(200, json.dumps(ok_body(choices=[])))
+    assert isinstance(f, Failure) and f.retryable and "no choices" in f.message
+
+    native = ok_body()
+    native["choices"][0]["native_finish_reason"] = "network_error"
+    f = interpret(200, json.dumps(native))
+    assert isinstance(f, Failure) and f.retryable and "network_error" in f.message
+
+    top = {"error": {"code": 402, "message": "credits"}}
+    f = interpret(200, json.dumps(top))
+    assert isinstance(f, Failure) and not f.retryable
+
+
+def test_provider_attribution_is_neutral_for_rate_limits_and_routing():
+    assert Failure("http", "x", True, 429, provider="A").against_provider is False
+    assert Failure("http", "x", True, 503, provider="A").against_provider is False
+    assert Failure("http", "x", True, 502, provider="A").against_provider is True
+    assert Failure("in_band", "x", True, 200, provider="A").against_provider is True
+    assert Failure("network", "x", True).against_provider is False  # nobody to blame
+
+
+def test_missing_usage_is_reported_as_unknown():
+    r = interpret(200, json.dumps(ok_body(usage=None)))
+    assert isinstance(r, Reply) and r.billed == -1
+
+
+def test_completion_from_message_variants():
+    assert completion_from_message({"reasoning_content": "r", "content": None}, "stop") == \
+        Completion("r", None, None, "stop")
+    assert completion_from_message({"reasoning": "", "reasoning_content": "r2", "content": ""}, "length") == \
+        Completion("r2", "", None, "length")
+    c = completion_from_message({"content": None, "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}, "tool_calls")
+    assert c.tool_calls == [{"id": "x", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+
+
+def test_normalize_then_rebuild_matches_engine_ids(profile):
+    """Reasoning left in content by a server without a reasoning parser rebuilds to the same ids."""
+    engine_ids = profile.encode("Let me think.") + [profile.think_end_id] + profile.encode("Answer.") + \
+        [profile.eot_id]
+    split = Completion("Let me think.", "Answer.", None, "stop")
+    raw = Completion(None, "Let me think.</think>Answer.", None, "stop")
+    for c in (split, raw):
+        assert rebuild_ids(profile, normalize_for_profile(c, profile, True), True).ids == engine_ids
+    closed = Completion(None, "Answer.", None, "stop")  # immediately closed thought reported as null
+    ids = rebuild_ids(profile, normalize_for_profile(closed, profile, True), True).ids
+    assert ids == [profile.think_end_id] + profile.encode("Answer.") + [profile.eot_id]
+    cut = Completion(None, "Still thinking", None, "length")
+    ids = rebuild_ids(profile, normalize_for_profile(cut, profile, True), True).ids
+    assert ids == profile.encode("Still thinking")
+
+
+def test_raw_tool_markers_rebuild_as_special_ids(profile):
+    text = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    ids = rebuild_ids(profile, Completion(None, text, None, "stop"), False).ids
+    assert profile.tool_section_begin_id in ids and profile.tool_section_end_id in ids
+    structured = Completion(None, "", [{"id": "c", "type": "function",
+                                        "function": {"name": "f", "arguments": "{}"}}], "tool_calls")
+    assert rebuild_ids(profile, structured, False).ids == ids
+
+
+def test_billing_drift():
+    assert billing_drift(10, -1) is None
+    assert billing_drift(10, 12) == -2
+    assert not drift_exceeds(-2, 12, 8, 0.05)
+    assert drift_exceeds(20, 10, 8, 0.05)
+    assert not drift_exceeds(9, 1000, 8, 0.05)  # 9 tokens of 1000 is a tokenizer difference
+
+
+# -- retries -------------------------------------------------------------------
+
+
+def test_retry_after_forms():
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after("0.5") == 0.5
+    assert parse_retry_after(None) is None and parse_retry_after("soon") is None
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == pytest.approx(10.0)
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412490.0) == 0.0
+
+
+@given(attempt=st.integers(0, 40), seed=st.integers(0, 2**32), retry_after=st.none() | st.floats(0, 1e6))
+def test_backoff_bounds(attempt, seed, retry_after):
+    rng = random.Random(seed)
+    d = backoff_s(attempt, rng, base=0.5, cap=30.0, retry_after=retry_after, max_retry_after=60.0)
+    if retry_after is None:
+        assert 0.0 <= d <= min(30.0, 0.5 * 2**attempt)
+    else:
+        assert min(retry_after, 60.0) <= d <= min(retry_after, 60.0) + 0.5
+
+
+def test_backoff_grows_and_jitters():
+    rng = random.Random(0)
+    means = [sum(backoff_s(a, rng, base=1.0, cap=1e9) for _ in range(400)) / 400 for a in range(5)]
+    assert all(b > a for a, b in zip(means, means[1:]))
+    assert len({round(backoff_s(3, rng, base=1.0, cap=100), 6) for _ in range(20)}) > 15
+
+
+# -- secrets -------------------------------------------------------------------
+
+
+def test_redaction():
+    key = "sk-or-v1-0123456789abcdef"
+    text = f"401 for Authorization: Bearer {key}; key={key}; other sk-or-v1-zzzz and bearer abc.def"
+    out = redact(text, [key])
+    assert key not in out and "sk-or-v1-zzzz" not in out and "abc.def" not in out
+    assert redact("nothing secret", [key, None, ""]) == "nothing secret"
+
+
+def test_secret_never_shows_itself():
+    s = Secret("sk-or-v1-supersecret")
+    assert "supersecret" not in repr(s) and "supersecret" not in str(s) and "supersecret" not in f"{s}"
+    import pickle
+
+    with pytest.raises(TypeError):
+        pickle.dumps(s)

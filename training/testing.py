@@ -1,0 +1,127 @@
+"""Helpers for tests and benchmarks: a tiny random Llama target and rows produced from it with HF.
+
+Rows follow the extraction contract exactly (vLLM aux convention: HF `hidden_states[i]` is the
+input of decoder layer i), so tests exercise the same code path as pipeline-produced rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TINY_TARGET = dict(
+    vocab_size=1000,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+)
+TINY_AUX_LAYER_IDS = [1, 2, 3]
+
+
+def build_tiny_llama(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Save a seeded random LlamaForCausalLM (config.json + model.safetensors) to `out_dir`.
+
+    HF's default init (std 0.02) gives a target whose greedy continuations fall into short
+    loops; `initializer_range=0.1` gives context-dependent, much harder continuations."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    config = LlamaConfig(**{**TINY_TARGET, **overrides})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(out)
+    return out
+
+
+def load_hf_target(model_dir: str | Path):
+    """Load a saved target with HF in float32 eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Temporarily set torch's intra-op threads. On a shared 2-core box two OpenMP threads
+    competing with another busy process run ~30x slower than one."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@torch.no_grad()
+def greedy_continue(
+    model, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 32
+) -> list[list[int]]:
+    """Greedy continuations (HF generate, left-padded batches, exactly max_new_tokens each)."""
+    out: list[list[int]] = []
+    for s in range(0, len(prompts), batch_size):
+        chunk = [list(p) for p in prompts[s : s + batch_size]]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        gen = model.generate(
+            ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+        )
+        out.extend(gen[:, width:].tolist())
+    return out
+
+
+@torch.no_grad()
+def rows_from_target(
+    model_dir: str | Path,
+    token_ids: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    aux_layer_ids: Sequence[int],
+    model=None,
+) -> list[dict]:
+    """Rows of the extraction contract computed with an HF forward (output_hidden_states)."""
+    model = model if model is not None else load_hf_target(model_dir)
+    rows = []
+    for i, (ids, mask) in enumerate(zip(token_ids, loss_masks, strict=True)):
+        out = model(torch.tensor([list(ids)]), output_hidden_states=True)
+        hs = out.hidden_states
+        aux = torch.cat([hs[j][0] for j in aux_layer_ids], dim=-1)
+        rows.append(
+            dict(
+                sample_id=f"s{i}",
+                input_ids=np.asarray(ids, np.int64),
+                loss_mask=np.asarray(mask, np.int8),
+                aux_hidden=aux.numpy().astype(np.float32),
+                final_hidden=hs[-1][0].numpy().astype(np.float32),  # post-norm in HF
+            )
+        )
+    return rows
+
+
+def random_prompts(n: int, vocab_size: int, length: int | tuple[int, int], seed: int) -> list[list[int]]:
+    """Seeded random token-id prompts (fixed or uniformly drawn length)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = (length, length) if isinstance(length, int) else length
+    return [rng.integers(3, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def generated_rows(
+    model_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    aux_layer_ids: Sequence[int],
+) -> list[dict]:
+    """Prompt + the target's own greedy continuation, loss-masked on the continuation."""
+    model = load_hf_target(model_dir)
+    responses = greedy_continue(model, prompts, max_new_tokens)
+    ids = [list(p) + r for p, r in zip(prompts, responses, strict=True)]
+    masks = [[0] * len(p) + [1] * len(r) for p, r in zip(prompts, responses, strict=True)]
+    return rows_from_target(model_dir, ids, masks, aux_layer_ids, model=model)

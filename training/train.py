@@ -1,0 +1,350 @@
+"""Drafter training: a pure in-process `train_loop` and the Ray Train wrapper `train_drafter`.
+
+Determinism: the data order of epoch e is a seeded shuffle of the worker's shard order (Ray Data
+runs with `preserve_order`), packing is deterministic, and checkpoints record (step, epoch,
+batch in epoch), so a resumed run replays exactly the batches an uninterrupted run would see.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from training.checkpoint import LocalCheckpoints, LoopState, load_checkpoint, save_checkpoint
+from training.config import DraftTrainConfig, resolve_aux_layer_ids
+from training.data import Batch, batches, shuffled, to_sample
+from training.loss import TTTObjective, TTTOutput
+from training.model import Eagle3Drafter, build_drafter
+from training.target import TargetParts, greedy_ids, load_target_parts
+from training.vocab import VocabMapping, build_vocab_mapping
+
+RowsFn = Callable[[int], Iterable[dict]]  # epoch -> this worker's rows
+CheckpointSink = Callable[[Path | None, dict], None]  # (checkpoint dir or None, metrics)
+VOCAB_FILE = "vocab.safetensors"
+METRICS_FILE = "metrics.jsonl"
+RUN_NAME = "drafter"
+
+
+@dataclass
+class TrainResult:
+    """Outcome of `train_drafter`."""
+
+    checkpoint_path: Path
+    export_dir: Path
+    metrics: dict = field(default_factory=dict)
+
+
+def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
+    """LR multiplier: linear warmup to 1, then cosine decay to 0 at `total`."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def save_vocab(mapping: VocabMapping, path: Path) -> None:
+    save_file({"d2t": mapping.d2t, "t2d": mapping.t2d}, str(path))
+
+
+def load_vocab(path: Path) -> VocabMapping:
+    t = load_file(str(path))
+    return VocabMapping(d2t=t["d2t"], t2d=t["t2d"])
+
+
+def prepare_drafter(cfg: DraftTrainConfig, target: TargetParts, vocab: VocabMapping) -> Eagle3Drafter:
+    """Seeded drafter with the target's embeddings, the vocab mapping and (optionally) the
+    target's final norm and lm_head rows of the draft vocab as the initial head."""
+    aux_ids = resolve_aux_layer_ids(cfg, target.num_layers)
+    drafter = build_drafter(target.config, target.embed_tokens, vocab.d2t.numel(), aux_ids, seed=cfg.seed)
+    with torch.no_grad():
+        drafter.d2t.copy_(vocab.d2t)
+        drafter.t2d.copy_(vocab.t2d)
+        if cfg.init_from_target:
+            drafter.lm_head.weight.copy_(target.lm_head[vocab.draft_ids])
+            if target.final_norm is not None:
+                drafter.norm.weight.copy_(target.final_norm)
+    return drafter
+
+
+class TargetIdsCache:
+    """Full-vocab target argmax per row, computed once per sample_id (rows repeat every epoch)."""
+
+    def __init__(self, lm_head: torch.Tensor) -> None:
+        self.lm_head = lm_head
+        self.cache: dict[str, np.ndarray] = {}
+
+    def sample(self, row: dict, max_len: int):
+        key = row.get("sample_id")
+
+        def compute(final: np.ndarray) -> np.ndarray:
+            if key is not None and key in self.cache:
+                return self.cache[key]
+            ids = greedy_ids(torch.from_numpy(final), self.lm_head).numpy()
+            if key is not None:
+                self.cache[str(key)] = ids
+            return ids
+
+        return to_sample(row, max_len, compute)
+
+
+def epoch_batches(rows_fn: RowsFn, epoch: int, cfg: DraftTrainConfig, targets: TargetIdsCache, rank: int) -> Iterator[Batch]:
+    """Deterministic packed batches of one epoch of this worker's shard."""
+    seed = (cfg.seed * 1_000_003 + epoch) * 997 + rank
+    rows = shuffled(rows_fn(epoch), cfg.shuffle_buffer, seed)
+    return batches((targets.sample(r, cfg.max_len) for r in rows), cfg.batch_tokens, cfg.max_len)
+
+
+def batch_stream(rows_fn: RowsFn, cfg: DraftTrainConfig, targets: TargetIdsCache, state: LoopState, rank: int) -> Iterator[tuple[int, int, Batch]]:
+    """Endless (epoch, batch index, batch) stream starting at the recorded data position."""
+    epoch, skip = state.epoch, state.batch_in_epoch
+    while True:
+        n = -1
+        for n, batch in enumerate(epoch_batches(rows_fn, epoch, cfg, targets, rank)):
+            if n >= skip:
+                yield epoch, n, batch
+        if n < 0:
+            raise ValueError("training data is empty")
+        epoch, skip = epoch + 1, 0
+
+
+def _step_metrics(step: int, out: TTTOutput, lr: float, grad_norm: float, tokens: int, seconds: float, epoch: int) -> dict:
+    m = {"step": step, "epoch": epoch, "loss": float(out.loss.detach()), "lr": lr,
+         "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9)}
+    for k, (lk, ak) in enumerate(zip(out.step_losses, out.step_accs, strict=True)):
+        m[f"loss_{k}"] = lk
+        m[f"acc_{k}"] = ak
+    return m
+
+
+def _truncate_log(path: Path, last_step: int) -> None:
+    """Drop log lines past the resumed step (they were produced after the last checkpoint)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last_step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def train_loop(
+    cfg: DraftTrainConfig,
+    target_dir: str | Path,
+    out_dir: str | Path,
+    rows_fn: RowsFn,
+    vocab: VocabMapping,
+    *,
+    resume_from: Path | None = None,
+    checkpoint_sink: CheckpointSink | None = None,
+    device: torch.device | str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+    after_step: Callable[[int], None] | None = None,
+) -> tuple[Eagle3Drafter, dict]:
+    """Train in this process (one DDP rank when world_size > 1). Returns (drafter, last metrics).
+
+    `rows_fn(epoch)` yields this rank's rows in a stable order. Checkpoints are written to a temp
+    dir and handed to `checkpoint_sink` (default: `out_dir/checkpoints`); `after_step(step)` runs
+    after each optimizer step and checkpoint (tests use it to interrupt a run)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(device)
+    sink = checkpoint_sink or LocalCheckpoints(out_dir / "checkpoints", cfg.keep_checkpoints)
+    target = load_target_parts(target_dir)
+    drafter = prepare_drafter(cfg, target, vocab).to(device)
+    lm_head_draft = target.lm_head[vocab.draft_ids].to(device)
+    objective: torch.nn.Module = TTTObjective(drafter, lm_head_draft, cfg.ttt_steps, cfg.step_decay)
+    if world_size > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        objective = torch.nn.parallel.DistributedDataParallel(objective, device_ids=ids)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.steps))
+    state = LoopState()
+    if resume_from is not None:
+        state = load_checkpoint(Path(resume_from), drafter, optimizer, scheduler)
+    log_path = out_dir / METRICS_FILE
+    if rank == 0:
+        _truncate_log(log_path, state.step)
+    extra = {"config": cfg.model_dump(), "aux_layer_ids": drafter.config.eagle_aux_hidden_state_layer_ids}
+    targets = TargetIdsCache(target.lm_head)
+    stream = batch_stream(rows_fn, cfg, targets, state, rank)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    metrics: dict = {}
+    objective.train()
+    while state.step < cfg.steps:
+        epoch, index, batch = next(stream)
+        t0 = time.perf_counter()
+        batch = batch.to(device)
+        with autocast:
+            out = objective(batch)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        optimizer.step()
+        scheduler.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        state = LoopState(step=state.step + 1, epoch=epoch, batch_in_epoch=index + 1)
+        metrics = _step_metrics(state.step, out, scheduler.get_last_lr()[0], grad_norm,
+                                batch.num_tokens, time.perf_counter() - t0, epoch)
+        if rank == 0:
+            with log_path.open("a") as fh:
+                fh.write(json.dumps(metrics) + "\n")
+            if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+                accs = " ".join(f"{metrics[f'acc_{k}']:.2f}" for k in range(cfg.ttt_steps))
+                print(f"[drafter] step {state.step}/{cfg.steps} loss {metrics['loss']:.3f} "
+                      f"acc [{accs}] {metrics['tokens_per_s']:.0f} tok/s lr {metrics['lr']:.2e}", flush=True)
+        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
+            with tempfile.TemporaryDirectory() as tmp:
+                ckpt = save_checkpoint(Path(tmp), drafter, optimizer, scheduler, state, extra) if rank == 0 else None
+                sink(ckpt, metrics)
+        if after_step is not None:
+            after_step(state.step)
+    return drafter, metrics
+
+
+# ----------------------------------------------------------------------------- Ray Train
+
+
+def _ray_worker(config: dict) -> None:
+    """Ray Train entry point: one DDP rank reading its dataset shard."""
+    import os
+
+    import ray.train
+    import ray.train.torch
+
+    cfg = DraftTrainConfig.model_validate(config["cfg"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if not cfg.use_gpu:
+        torch.set_num_threads(max(1, int(cfg.resources_per_worker.get("CPU", 1))))
+    shard = ray.train.get_dataset_shard("train")
+
+    def rows_fn(epoch: int) -> Iterable[dict]:
+        return shard.iter_rows()
+
+    def sink(ckpt_dir: Path | None, metrics: dict) -> None:
+        checkpoint = ray.train.Checkpoint.from_directory(str(ckpt_dir)) if ckpt_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"step_{metrics['step']:07d}")
+
+    crash_at = config.get("crash_at_step")
+    resumed = ray.train.get_checkpoint()
+
+    def after_step(step: int) -> None:
+        if crash_at is not None and resumed is None and step == crash_at:
+            os._exit(1)  # simulate a killed worker (tests only)
+
+    common = dict(checkpoint_sink=sink, device=ray.train.torch.get_device(), rank=rank,
+                  world_size=world, after_step=after_step)
+    vocab = load_vocab(Path(config["vocab_path"]))
+    if resumed is None:
+        train_loop(cfg, config["target_dir"], config["out_dir"], rows_fn, vocab, **common)
+    else:
+        with resumed.as_directory() as ckpt_dir:
+            local = Path(tempfile.mkdtemp(prefix="drafter_resume_"))
+            for f in Path(ckpt_dir).iterdir():
+                (local / f.name).write_bytes(f.read_bytes())
+        train_loop(cfg, config["target_dir"], config["out_dir"], rows_fn, vocab, resume_from=local, **common)
+
+
+def as_dataset(dataset_or_rows):
+    """Ray Dataset from a Dataset, a list of row dicts, or a folder of parquet shards."""
+    import ray.data
+
+    if isinstance(dataset_or_rows, ray.data.Dataset):
+        return dataset_or_rows
+    if isinstance(dataset_or_rows, (str, Path)):
+        return ray.data.read_parquet(str(dataset_or_rows))
+    return ray.data.from_items(list(dataset_or_rows))
+
+
+def vocab_from_dataset(ds, vocab_size: int, draft_vocab_size: int) -> VocabMapping:
+    """Count loss-masked tokens over the dataset (only the two id columns are read)."""
+    rows = ds.select_columns(["input_ids", "loss_mask"]).iter_rows()
+    return build_vocab_mapping(rows, vocab_size, draft_vocab_size)
+
+
+def train_drafter(
+    dataset_or_rows,
+    cfg: DraftTrainConfig,
+    target_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    crash_at_step: int | None = None,
+) -> TrainResult:
+    """Train a drafter with Ray Train and export it to `out_dir/export`.
+
+    Re-running with the same `out_dir` resumes from the latest checkpoint (Ray Train restores the
+    run `out_dir/ray/drafter`); the vocab mapping is computed once and kept in `out_dir`.
+    Needs a running Ray (or starts a local one). `crash_at_step` kills the worker once at that
+    step to exercise restart-from-checkpoint (tests only)."""
+    import ray
+    import ray.data
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from training.export import export_draft
+
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False)
+    target = load_target_parts(target_dir)
+    ds = as_dataset(dataset_or_rows)
+    if cfg.materialize:
+        ds = ds.materialize()
+    vocab_path = out_dir / VOCAB_FILE
+    if not vocab_path.exists():
+        save_vocab(vocab_from_dataset(ds, target.vocab_size, cfg.draft_vocab_size), vocab_path)
+    options = ray.train.DataConfig.default_ingest_options()
+    options.preserve_order = True  # stable shard order -> exact resume
+    data_config = ray.train.DataConfig(execution_options=options)
+    trainer = TorchTrainer(
+        _ray_worker,
+        train_loop_config={
+            "cfg": cfg.model_dump(), "target_dir": str(Path(target_dir).resolve()),
+            "out_dir": str(out_dir), "vocab_path": str(vocab_path), "crash_at_step": crash_at_step,
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=cfg.resources_per_worker
+        ),
+        run_config=ray.train.RunConfig(
+            name=RUN_NAME, storage_path=str(out_dir / "ray"),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+        ),
+        datasets={"train": ds},
+        dataset_config=data_config,
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"training produced no checkpoint: {result.error}")
+    ckpt_path = Path(result.checkpoint.path)
+    drafter = load_drafter_checkpoint(ckpt_path, target_dir)
+    export_dir = export_draft(drafter, out_dir / "export", target_config=target.config)
+    return TrainResult(checkpoint_path=ckpt_path, export_dir=export_dir, metrics=dict(result.metrics or {}))
+
+
+def load_drafter_checkpoint(ckpt_dir: str | Path, target_dir: str | Path) -> Eagle3Drafter:
+    """Rebuild the drafter of a training checkpoint (embeddings from the target)."""
+    from training.checkpoint import load_drafter_tensors, read_state
+
+    state = read_state(Path(ckpt_dir))
+    cfg = DraftTrainConfig.model_validate(state["config"])
+    target = load_target_parts(target_dir)
+    tensors = load_file(str(Path(ckpt_dir) / "model.safetensors"))
+    vocab = VocabMapping(d2t=tensors["d2t"], t2d=tensors["t2d"])
+    drafter = prepare_drafter(cfg.model_copy(update={"aux_layer_ids": state["aux_layer_ids"]}), target, vocab)
+    load_drafter_tensors(Path(ckpt_dir), drafter)
+    return drafter
