@@ -199,8 +199,8 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
     """Compare rebuilt ids with an engine's own output ids.
 
     Each sample holds ``output_ids`` (the engine's ids), ``thinking`` and,
-    optionally, ``text`` (the engine's decoded text with special tokens kept;
-    decoded from the ids when absent). The text is split as a reasoning parser
+    optionally, ``text`` (the engine's detokenized text with special tokens
+    kept; decoded from the ids when absent). The text is split as a reasoning parser
     would (``profile.split_text``), billed as the API would bill it (one token
     per id), rebuilt, and compared. A sample is canonical when decode->encode
     gives its ids back; a model may emit ids a fresh encode merges differently,
@@ -211,7 +211,7 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
     readings_used: Counter[str] = Counter()
     text_mismatch = 0
     failures: list[dict[str, Any]] = []
-    with_tools = with_reasoning = truncated = 0
+    with_tools = with_reasoning = with_markers = with_think_end = truncated = 0
     for s in samples:
         ids = [int(i) for i in s["output_ids"]]
         thinking = bool(s.get("thinking", True))
@@ -219,8 +219,10 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
         text = s.get("text")
         if text is None:
             text = decoded
-        elif text != decoded:
-            text_mismatch += 1
+        else:
+            if ids and ids[-1] == profile.eot_id and not text.endswith(profile.eot_text):
+                text += profile.eot_text  # vLLM leaves the stop token's text out of ``text``
+            text_mismatch += text != decoded
         is_canonical = profile.encode(decoded) == ids
         completion = profile.split_text(text, thinking)
         completion.completion_tokens = len(ids)
@@ -232,6 +234,8 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
         exact_canonical += ok and is_canonical
         readings_used[rebuilt.reading] += 1
         with_tools += bool(completion.tool_calls)
+        with_markers += any(i in profile.tool_marker_ids for i in ids)
+        with_think_end += profile.think_end_id in ids
         with_reasoning += bool(completion.reasoning)
         truncated += rebuilt.truncated
         if is_canonical and not ok and len(failures) < max_examples:
@@ -249,6 +253,8 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
         "exact_on_canonical": exact_canonical / canonical if canonical else 0.0,
         "canonical_mismatches": canonical - exact_canonical,
         "with_tool_calls": with_tools,
+        "with_tool_markers": with_markers,
+        "with_think_end": with_think_end,
         "with_reasoning": with_reasoning,
         "truncated": truncated,
         "engine_text_differs_from_decode": text_mismatch,

@@ -18,10 +18,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import RunConfig, VLLMSourceConfig
+from pipeline.audit import AuditAccumulator, summary_lines
+from pipeline.config import ChecksConfig, RunConfig, VLLMSourceConfig
 from pipeline.datasets import load_dataset
 from pipeline.records import QUARANTINE_SCHEMA
 from pipeline.stages import FLIGHT_SCHEMA, RenderPrompts, ValidateSamples, WriteShards, _atomic_write, shard_name
+from pipeline.validate import Verdict, assert_conservation
 
 log = logging.getLogger("pipeline")
 
@@ -41,11 +43,14 @@ def init_ray(cfg: RunConfig) -> None:
     if ray.is_initialized():
         return
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
+    loopback = {"_node_ip_address": "127.0.0.1"}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        # Inside `ray job submit` the job's runtime env (working dir, env vars) already applies.
+        local_head = address.split("://")[-1].startswith(("127.0.0.1", "localhost"))
+        ray.init(address=address, **(loopback if local_head else {}))
     else:
-        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, runtime_env=runtime_env)
+        env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, runtime_env=env, **loopback)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
@@ -78,14 +83,14 @@ def finished_ids(out: Path) -> set[str]:
     return ids
 
 
-def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
-    """Stream prompts through render -> source -> validate -> shard writer; return per-sample summaries."""
+def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path) -> Tally:
+    """Stream prompts through render -> source -> validate -> shard writer, tallying what comes out."""
     import ray.data
 
     from pipeline.sources.vllm_source import VLLMGenerator
 
     if not prompts:
-        return []
+        return Tally(0, cfg.datasets[0].checks)
     source = cfg.sources[0]
     if not isinstance(source, VLLMSourceConfig):
         raise NotImplementedError(f"source kind {source.kind!r} is not wired into the run yet")
@@ -105,33 +110,55 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path) -> list[d
                         batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
     ds = ds.map_batches(WriteShards, fn_constructor_args=(str(out),), batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
-    summaries: list[dict[str, Any]] = []
-    progress = Progress(len(prompts))
+    tally = Tally(len(prompts), cfg.datasets[0].checks)
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        summaries += batch.to_pylist()
-        progress.update(summaries)
-    progress.update(summaries, final=True)
-    return summaries
+        for row in batch.to_pylist():
+            tally.add(row)
+        tally.progress()
+    tally.progress(final=True)
+    return tally
 
 
-class Progress:
-    """Periodic one-line status that stays readable in `ray job logs`."""
+class Tally:
+    """Folds per-sample summaries as they stream out of the pipeline: counts, audit figures, spend.
 
-    def __init__(self, total: int, every_s: float = 10.0) -> None:
+    Prints a one-line status every few seconds that stays readable in `ray job logs`.
+    """
+
+    def __init__(self, total: int, checks: ChecksConfig, every_s: float = 10.0) -> None:
         self.total, self.every_s = total, every_s
+        self.status: Counter = Counter()
+        self.audit = AuditAccumulator(checks)
+        self.tokens = 0
+        self.cost = 0.0
         self.t0 = self.last = time.perf_counter()
+        self.printed = -1
 
-    def update(self, summaries: list[dict[str, Any]], final: bool = False) -> None:
+    @property
+    def done(self) -> int:
+        return sum(self.status.values())
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.status[row["status"]] += 1
+        self.tokens += len(row["output_ids"] or [])
+        self.cost += row.get("cost") or 0.0
+        if row.get("checks_ran"):
+            details = json.loads(row["check_details"] or "{}")
+            verdict = Verdict(failed={k: details.get(k, "") for k in row["checks_failed"]},
+                              flagged={k: details.get(k, "") for k in row["checks_flagged"]},
+                              ran=list(row["checks_ran"]))
+            self.audit.add(row, verdict)
+
+    def progress(self, final: bool = False) -> None:
         now = time.perf_counter()
-        if not final and now - self.last < self.every_s:
+        if (not final and now - self.last < self.every_s) or self.done == self.printed:
             return
-        self.last = now
-        done = len(summaries)
-        quarantined = sum(s["status"] == "quarantine" for s in summaries)
-        rate = done / max(now - self.t0, 1e-9)
-        eta = (self.total - done) / rate if rate > 0 else float("inf")
-        print(f"[generate] {done}/{self.total} done, {quarantined} quarantined, {rate:.1f} samples/s, "
-              f"ETA {eta:.0f}s", flush=True)
+        self.last, self.printed = now, self.done
+        rate = self.done / max(now - self.t0, 1e-9)
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        print(f"[generate] {self.done}/{self.total} done, {self.status['quarantine']} quarantined, "
+              f"{self.status['not_generated']} not generated, {self.tokens} tokens, ${self.cost:.4f}, "
+              f"{rate:.2f} samples/s, ETA {eta:.0f}s", flush=True)
 
 
 def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, Any]:
@@ -176,34 +203,40 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
     return result
 
 
-def summarize(summaries: list[dict[str, Any]], counts: Counter, out: Path) -> dict[str, Any]:
+def summarize(tally: Tally, counts: Counter, out: Path) -> dict[str, Any]:
     """Figures over everything written for this run (including earlier, resumed attempts)."""
-    samples = _read_all(out / "samples", ["sample_id", "dataset", "output_ids", "checks_flagged", "source"])
+    samples = _read_all(out / "samples", ["sample_id", "dataset", "output_ids", "checks_flagged"])
     quarantine = _read_all(out / "quarantine", ["sample_id", "dataset", "stage", "reason"])
     passed_ids = {r["sample_id"] for r in samples}
     q_ids = {r["sample_id"] for r in quarantine if r["sample_id"] not in passed_ids}
-    stage_counts = Counter(r["stage"] for r in quarantine)
-    flagged = Counter(c for r in samples for c in r["checks_flagged"])
-    reasons = Counter(r["reason"].split(":")[0] for r in quarantine)
     rows_in = sum(v for k, v in counts.items() if k.endswith(".rows"))
-    # Extraction may quarantine a sample that was written as passed: it stays counted as passed data
-    # (its generation is good) and is reported under quarantine.by_stage.extract.
+    datasets = sorted(k.rsplit(".", 1)[0] for k in counts if k.endswith(".rows"))
+    # Extraction may quarantine a sample already written as passed: it stays counted as passed
+    # generation and shows up under quarantine_by_stage.extract.
     return {
         "rows_in": rows_in,
         "passed": len(passed_ids),
         "quarantined": len(q_ids),
-        "quarantine_by_stage": dict(stage_counts),
-        "quarantine_reasons": dict(reasons.most_common(10)),
-        "flagged": dict(flagged),
+        "not_generated": tally.status["not_generated"],
+        "quarantine_by_stage": dict(Counter(r["stage"] for r in quarantine)),
+        "quarantine_reasons": dict(Counter(_reason_key(r["reason"]) for r in quarantine).most_common(10)),
+        "flagged": dict(Counter(c for r in samples for c in r["checks_flagged"])),
         "tokens_generated": sum(len(r["output_ids"]) for r in samples),
         "duplicates_in_shards": len(samples) - len(passed_ids),
-        "this_attempt": {"samples": len(summaries), "resumed_done": counts["resumed_done"]},
+        "this_attempt": {"samples": tally.done, "resumed_done": counts["resumed_done"],
+                         "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6)},
+        "audit": tally.audit.report(),
         "by_dataset": {
-            d: {"passed": sum(r["dataset"] == d for r in samples),
+            d: {"rows": counts[f"{d}.rows"], "passed": sum(r["dataset"] == d for r in samples),
                 "quarantined": sum(r["dataset"] == d and r["sample_id"] in q_ids for r in quarantine)}
-            for d in sorted({k.rsplit(".", 1)[0] for k in counts if k.endswith(".rows")})
+            for d in datasets
         },
     }
+
+
+def _reason_key(reason: str) -> str:
+    """The reason's leading words (check name or error kind), for grouping."""
+    return reason.split(":", 1)[0][:80]
 
 
 def _read_all(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
@@ -231,19 +264,17 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     prompts, counts = read_prompts(cfg, out)
     timings.add("read", t0)
     t0 = time.perf_counter()
-    summaries = generate(cfg, prompts, out)
+    tally = generate(cfg, prompts, out)
     timings.add("generate", t0)
-    report: dict[str, Any] = summarize(summaries, counts, out)
-    if report["passed"] + report["quarantined"] != report["rows_in"]:
-        raise RuntimeError(f"sample conservation violated: rows in {report['rows_in']} != passed "
-                           f"{report['passed']} + quarantined {report['quarantined']}")
+    report: dict[str, Any] = summarize(tally, counts, out)
+    assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
     report["training"] = extract_and_train(cfg, out, timings) if cfg.training is not None else None
     timings.add("total", t_all)
     report["seconds"] = timings.seconds
     gen_s = timings.seconds.get("generate") or 0.0
     report["throughput"] = {
-        "samples_per_s": round(len(summaries) / gen_s, 2) if gen_s else None,
-        "tokens_per_s": round(sum(s["n_output"] for s in summaries) / gen_s, 1) if gen_s else None,
+        "samples_per_s": round(tally.done / gen_s, 2) if gen_s else None,
+        "tokens_per_s": round(tally.tokens / gen_s, 1) if gen_s else None,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(format_report(report, out), flush=True)
@@ -258,11 +289,15 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         f"  rows in      {r['rows_in']}",
         f"  passed       {r['passed']}",
         f"  quarantined  {r['quarantined']}  by stage {r['quarantine_by_stage']}",
+        f"  not generated {r['not_generated']} (budget spent; resumable)",
         f"  flagged      {r['flagged']}",
-        f"  tokens generated {r['tokens_generated']}",
+        f"  tokens generated {r['tokens_generated']}, spend ${r['this_attempt']['cost_usd']:.4f}",
         f"  throughput   {r['throughput']}",
         f"  seconds      {r['seconds']}",
     ]
+    if r["audit"]["samples"]:
+        lines.append("  audit (this attempt):")
+        lines += [f"    {line}" for line in summary_lines(r["audit"])]
     t = r.get("training") or {}
     if t.get("export_dir"):
         lines.append(f"  drafter      {t['export_dir']}")

@@ -19,10 +19,15 @@ import pyarrow.parquet as pq
 from pipeline.config import ChecksConfig
 from pipeline.profiles import load_profile
 from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, quarantine_row
-from pipeline.validate import validate_sample
+from pipeline.validate import annotate, quarantine_reason, validate_sample
 
-FLIGHT_SCHEMA = SAMPLE_SCHEMA.append(pa.field("status", pa.string())) \
-    .append(pa.field("stage", pa.string())).append(pa.field("reason", pa.string()))
+FLIGHT_SCHEMA = pa.schema([
+    *SAMPLE_SCHEMA,
+    pa.field("status", pa.string()),  # ok | quarantine | not_generated
+    pa.field("stage", pa.string()),   # where a non-ok row stopped
+    pa.field("reason", pa.string()),
+    pa.field("checks_ran", pa.list_(pa.string())),
+])
 
 
 def batch_to_rows(batch: pa.Table | dict[str, Any]) -> list[dict[str, Any]]:
@@ -83,12 +88,10 @@ class ValidateSamples:
         for row in batch_to_rows(batch):
             if row["status"] == "ok":
                 verdict = validate_sample(row, self.profile, self.checks[row["dataset"]])
-                row["checks_failed"] = sorted(verdict.failed)
-                row["checks_flagged"] = sorted(verdict.flagged)
-                row["check_details"] = json.dumps({**verdict.failed, **verdict.flagged}, ensure_ascii=False)
+                row = annotate(row, verdict)
+                row["checks_ran"] = verdict.ran
                 if not verdict.passed:
-                    reason = "; ".join(f"{k}: {v}" for k, v in sorted(verdict.failed.items()))
-                    mark(row, "quarantine", "validate", reason)
+                    mark(row, "quarantine", "validate", quarantine_reason(verdict))
             out.append(row)
         return rows_to_table(out)
 
@@ -124,19 +127,5 @@ class WriteShards:
             q = [quarantine_row(r, r["stage"], r["reason"]) for r in bad]
             path = self.quarantine / shard_name([r["sample_id"] for r in q])
             _atomic_write(rows_to_table(q, QUARANTINE_SCHEMA), path)
-        return pa.Table.from_pylist([{
-            "sample_id": r["sample_id"], "dataset": r["dataset"], "status": r["status"], "stage": r["stage"],
-            "source": r.get("source") or "", "provider": r.get("provider") or "",
-            "n_output": len(r["output_ids"] or []), "t_generate_s": r.get("t_generate_s") or 0.0,
-            "checks_failed": r["checks_failed"] or [], "checks_flagged": r["checks_flagged"] or [],
-            "billed": r.get("billed_completion_tokens") if r.get("billed_completion_tokens") is not None else -1,
-            "cost": r.get("cost") or 0.0,
-        } for r in rows], schema=SUMMARY_SCHEMA)
-
-
-SUMMARY_SCHEMA = pa.schema([
-    ("sample_id", pa.string()), ("dataset", pa.string()), ("status", pa.string()), ("stage", pa.string()),
-    ("source", pa.string()), ("provider", pa.string()), ("n_output", pa.int64()), ("t_generate_s", pa.float64()),
-    ("checks_failed", pa.list_(pa.string())), ("checks_flagged", pa.list_(pa.string())),
-    ("billed", pa.int64()), ("cost", pa.float64()),
-])
+        return rows_to_table([{**r, "prompt_ids": [], "prompt_assistant_mask": [], "messages": "", "tools": "",
+                               "reasoning": None, "content": None, "tool_calls": ""} for r in rows])

@@ -1,14 +1,24 @@
-"""Session-wide fixtures: one tiny target, one local Ray, one vLLM engine per test session."""
+"""Session-wide fixtures: one tiny target, one Ray cluster, one directly-called vLLM engine.
+
+The session's Ray is a real head started with `ray start --head` on loopback, so the
+same cluster serves in-process tests (`ray.init(address=...)`) and `ray job submit`.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["RAY_AUTH_MODE"] = "disabled"  # a loopback test cluster; no token to distribute
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,12 +35,82 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayHead:
+    """A `ray start --head --block` process; stopping it kills everything under its temp dir."""
+
+    def __init__(self, temp_dir: Path, num_cpus: int = 2) -> None:
+        self.temp_dir = temp_dir
+        self.port, self.dashboard_port = _free_port(), _free_port()
+        self.env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+             "--node-ip-address=127.0.0.1", f"--port={self.port}", f"--num-cpus={num_cpus}",
+             f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats"],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        import urllib.request
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("ray start --head exited")
+            try:
+                urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError("Ray head did not come up")
+
+    def stop(self) -> None:
+        import psutil
+
+        procs = [p for p in psutil.process_iter(["cmdline"])
+                 if any(str(self.temp_dir) in part for part in (p.info["cmdline"] or []))]
+        procs.append(psutil.Process(self.proc.pid))
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_head(tmp_path_factory: pytest.TempPathFactory):
+    head = RayHead(Path(tmp_path_factory.mktemp("ray")))
+    try:
+        head.wait_ready()
+        yield head
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        head.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_head: RayHead):
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True,
+        ray.init(address=ray_head.address, _node_ip_address="127.0.0.1",
                  runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False

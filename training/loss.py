@@ -17,6 +17,7 @@ loss_mask[t + k] instead; keying on the predicted token keeps the very first dra
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,40 @@ def teacher_probs(final_hidden: torch.Tensor, lm_head_draft: torch.Tensor) -> to
     return torch.softmax(logits, dim=-1)
 
 
+@dataclass
+class StepView:
+    """Inputs and loss positions of TTT step k, aligned to index t of the packed batch."""
+
+    tokens: torch.Tensor  # (B, L) input_ids[t + k + 1]
+    position_ids: torch.Tensor  # (B, L) position of t, plus k
+    trained: torch.Tensor  # (B, L) bool: token t+k+2 is in t's document and loss-masked
+    valid: torch.Tensor  # (B, L) bool: trained and the target argmax at t+k+1 is in the draft vocab
+
+
+def step_view(batch: Batch, in_draft: torch.Tensor, k: int) -> StepView:
+    """Pure index bookkeeping of step k (see the module docstring for the alignment)."""
+    same_doc = shift_left(batch.doc_ids, k + 2, -2) == batch.doc_ids
+    trained = same_doc & shift_left(batch.loss_mask, k + 2, False) & (batch.doc_ids >= 0)
+    return StepView(
+        tokens=shift_left(batch.input_ids, k + 1, 0),
+        position_ids=batch.position_ids + k,
+        trained=trained,
+        valid=trained & shift_left(in_draft, k + 1, False),
+    )
+
+
+def unroll(model: Eagle3Drafter, batch: Batch, in_draft: torch.Tensor, ttt_steps: int) -> Iterator[tuple[StepView, torch.Tensor]]:
+    """Yield (view, draft logits) for steps 0..ttt_steps-1, feeding each step's pre-norm output
+    back as the next step's hidden state (gradients flow through the whole unroll)."""
+    mask0 = step0_mask(batch.doc_ids)
+    cache = StepKVCache()
+    hidden = model.project(batch.aux_hidden)
+    for k in range(ttt_steps):
+        view = step_view(batch, in_draft, k)
+        hidden, logits = model.step(view.tokens, hidden, view.position_ids, mask0, cache)
+        yield view, logits
+
+
 def ttt_forward(
     model: Eagle3Drafter,
     batch: Batch,
@@ -68,30 +103,20 @@ def ttt_forward(
 ) -> TTTOutput:
     """Unroll `ttt_steps` draft steps over a packed batch and return the weighted loss.
 
-    `lm_head_draft` is the target's lm_head rows of the draft vocab (draft order), (V_d, H_t)."""
-    mask0 = step0_mask(batch.doc_ids)
+    `lm_head_draft` is the target's lm_head rows of the draft vocab (draft order), (V_d, H_t).
+    Accuracy counts predictions whose target argmax lies outside the draft vocab as misses."""
     with torch.no_grad():
-        probs = teacher_probs(batch.final_hidden, lm_head_draft)  # (B, L, V_d), at position j
+        probs = teacher_probs(batch.final_hidden, lm_head_draft)  # (B, L, V_d) at position j
         teacher_top = probs.argmax(-1)
         in_draft = model.t2d[batch.target_ids] & (batch.doc_ids >= 0)
-    cache = StepKVCache()
-    hidden = model.project(batch.aux_hidden)
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
     losses, accs, counts = [], [], []
-    for k in range(ttt_steps):
-        tokens = shift_left(batch.input_ids, k + 1, 0)
-        hidden, logits = model.step(tokens, hidden, batch.position_ids + k, mask0, cache)
-        with torch.no_grad():
-            tgt_probs = shift_left(probs, k + 1, 0.0)
-            same_doc = shift_left(batch.doc_ids, k + 2, -2) == batch.doc_ids
-            trained = same_doc & shift_left(batch.loss_mask, k + 2, False) & (batch.doc_ids >= 0)
-            valid = trained & shift_left(in_draft, k + 1, False)
-        loss_k = soft_cross_entropy(tgt_probs, logits, valid)
+    for k, (view, logits) in enumerate(unroll(model, batch, in_draft, ttt_steps)):
+        loss_k = soft_cross_entropy(shift_left(probs, k + 1, 0.0), logits, view.valid)
         total = total + (step_decay**k) * loss_k
         with torch.no_grad():
-            hit = (logits.argmax(-1) == shift_left(teacher_top, k + 1, -1)) & valid
-            n_trained = int(trained.sum())
-            # Predictions whose target argmax is outside the draft vocab count as misses.
+            hit = (logits.argmax(-1) == shift_left(teacher_top, k + 1, -1)) & view.valid
+            n_trained = int(view.trained.sum())
             accs.append(float(hit.sum()) / max(n_trained, 1))
         losses.append(float(loss_k.detach()))
         counts.append(n_trained)

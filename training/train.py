@@ -281,14 +281,19 @@ def train_drafter(
     target_dir: str | Path,
     out_dir: str | Path,
     *,
+    vocab: VocabMapping | None = None,
     crash_at_step: int | None = None,
 ) -> TrainResult:
     """Train a drafter with Ray Train and export it to `out_dir/export`.
 
-    Re-running with the same `out_dir` resumes from the latest checkpoint (Ray Train restores the
-    run `out_dir/ray/drafter`); the vocab mapping is computed once and kept in `out_dir`.
-    Needs a running Ray (or starts a local one). `crash_at_step` kills the worker once at that
-    step to exercise restart-from-checkpoint (tests only)."""
+    `dataset_or_rows`: a Ray Dataset (streamed; materialized first when `cfg.materialize`), a
+    list of row dicts, or a folder of parquet shards. The draft vocab is counted from the
+    dataset's loss-masked tokens unless `vocab` is given (pass it when the dataset is a costly
+    stream, e.g. `build_vocab_mapping` over the samples' ids, to avoid an extra pass); it is
+    saved in `out_dir` and reused on resume. Re-running with the same `out_dir` resumes from the
+    latest checkpoint (Ray Train restores the run `out_dir/ray/drafter`). Uses the running Ray
+    or starts a local one. `crash_at_step` kills the worker once at that step to exercise
+    restart-from-checkpoint (tests only)."""
     import ray
     import ray.data
     import ray.train
@@ -306,7 +311,8 @@ def train_drafter(
         ds = ds.materialize()
     vocab_path = out_dir / VOCAB_FILE
     if not vocab_path.exists():
-        save_vocab(vocab_from_dataset(ds, target.vocab_size, cfg.draft_vocab_size), vocab_path)
+        vocab = vocab or vocab_from_dataset(ds, target.vocab_size, cfg.draft_vocab_size)
+        save_vocab(vocab, vocab_path)
     options = ray.train.DataConfig.default_ingest_options()
     options.preserve_order = True  # stable shard order -> exact resume
     data_config = ray.train.DataConfig(execution_options=options)

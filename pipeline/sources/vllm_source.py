@@ -1,4 +1,22 @@
-"""vLLM inside a Ray actor: the engine's own output ids are the ground truth."""
+"""Local engines as Ray Data actors; vLLM here, and the row plumbing every engine shares.
+
+An engine source receives in-flight rows (see ``pipeline.stages``) and serves
+only those addressed to it (``source`` is its name, or empty in a one-source
+run); every other row passes through untouched, so several sources can sit in
+one chain. The engine's own output ids are the ground truth: nothing is
+re-tokenized. A failure never loses a row: an engine error on a batch is
+isolated by retrying its rows one at a time, and a row that still fails is
+handed to the next source the router names (status ``reroute``) or quarantined
+at stage ``generate`` with the error. ``on_error: raise`` instead re-raises so
+Ray retries the task (needs ``DataContext.actor_task_retry_on_errors``).
+
+GPU placement: ``engine_resources`` gives the ``map_batches`` resource
+arguments. One GPU per actor for tensor_parallel_size 1; for TP > 1 the actor
+itself holds no GPU and gets a placement group of TP bundles
+(``{"GPU": 1, "CPU": 1}``, STRICT_PACK: one node) whose bundles vLLM's Ray
+executor fills with its TP workers (``distributed_executor_backend="ray"``,
+child tasks captured by the group).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +24,8 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pyarrow as pa
@@ -13,71 +33,12 @@ import pyarrow as pa
 from pipeline.profiles import load_profile
 from pipeline.stages import batch_to_rows, mark, rows_to_table
 
+SERVABLE = ("ok", "reroute")
+
 
 def request_seed(sample_id: str, seed: int) -> int:
     """A per-sample seed: a retried or resumed sample is generated identically."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()[:4], "little")
-
-
-class VLLMGenerator:
-    """Generate with a vLLM engine started once per actor."""
-
-    def __init__(self, model_dir: str, profile: str, sampling: dict[str, Any], engine: dict[str, Any],
-                 source_name: str) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.get("kv_cache_gib", 1)))
-        from vllm import LLM
-
-        self.profile = load_profile(profile, model_dir)
-        self.sampling = sampling
-        self.source_name = source_name
-        self.max_model_len = engine.get("max_model_len", 4096)
-        self.model_name = os.path.basename(model_dir.rstrip("/"))
-        self.llm = LLM(
-            model=model_dir,
-            dtype=engine.get("dtype", "auto"),
-            max_model_len=self.max_model_len,
-            tensor_parallel_size=engine.get("tensor_parallel_size", 1),
-            enforce_eager=engine.get("enforce_eager", True),
-            seed=sampling.get("seed", 0),
-        )
-
-    def _params(self, sample_id: str, prompt_len: int) -> Any:
-        from vllm import SamplingParams
-
-        s = self.sampling
-        return SamplingParams(
-            temperature=s["temperature"], top_p=s["top_p"],
-            max_tokens=min(s["max_tokens"], self.max_model_len - prompt_len),
-            seed=request_seed(sample_id, s["seed"]), skip_special_tokens=False,
-        )
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        from vllm.inputs import TokensPrompt
-
-        rows = batch_to_rows(batch)
-        todo = []
-        for r in rows:
-            r.update(source=self.source_name, source_kind="vllm", provider="vllm", model=self.model_name,
-                     ids_from="engine", sampling=json.dumps(self.sampling, sort_keys=True))
-            if r["status"] != "ok":
-                continue
-            if len(r["prompt_ids"]) >= self.max_model_len:
-                mark(r, "quarantine", "generate",
-                     f"prompt of {len(r['prompt_ids'])} tokens does not fit max_model_len {self.max_model_len}")
-                continue
-            todo.append(r)
-        if todo:
-            t0 = time.perf_counter()
-            outs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in todo],
-                [self._params(r["sample_id"], len(r["prompt_ids"])) for r in todo],
-                use_tqdm=False,
-            )
-            per_sample = (time.perf_counter() - t0) / len(todo)
-            for r, o in zip(todo, outs, strict=True):
-                fill_from_engine(r, self.profile, list(o.outputs[0].token_ids), o.outputs[0].finish_reason,
-                                 per_sample)
-        return rows_to_table(rows)
 
 
 def fill_from_engine(row: dict[str, Any], profile: Any, ids: list[int], finish: str | None, seconds: float) -> None:
@@ -88,4 +49,185 @@ def fill_from_engine(row: dict[str, Any], profile: Any, ids: list[int], finish: 
         output_ids=ids, reasoning=comp.reasoning, content=comp.content,
         tool_calls=json.dumps(comp.tool_calls, ensure_ascii=False) if comp.tool_calls else "",
         finish_reason=finish, truncated=finish == "length", t_generate_s=seconds,
+    )
+
+
+def serves(row: dict[str, Any], source_name: str) -> bool:
+    """Whether a source stage should generate this row: addressed to it (or unrouted) and not yet generated."""
+    return (row.get("status") in SERVABLE and row.get("output_ids") is None
+            and (row.get("source") or source_name) == source_name)
+
+
+def fail_row(row: dict[str, Any], reason: str, source_name: str, router: Any | None) -> dict[str, Any]:
+    """A row this source cannot serve: re-routed when the router names a next source, else quarantined."""
+    nxt = router.next_source(row, source_name) if router is not None else None
+    if nxt:
+        row.update(status="reroute", stage="generate", reason=f"{source_name}: {reason}", source=nxt)
+    else:
+        mark(row, "quarantine", "generate", reason)
+        row["source"] = source_name
+    return row
+
+
+@dataclass
+class EngineResult:
+    """One engine answer: exact output ids, or the error that replaced them."""
+
+    ids: list[int] | None
+    finish: str | None
+    seconds: float
+    error: str | None = None
+
+
+def sampling_record(sampling: dict[str, Any], sample_id: str) -> str:
+    """The parameters a sample was generated with, including its own seed (JSON for the shard)."""
+    return json.dumps({**sampling, "request_seed": request_seed(sample_id, int(sampling.get("seed", 0)))},
+                      sort_keys=True)
+
+
+class EngineSource:
+    """Row plumbing shared by local engines; subclasses start the engine and implement ``generate_rows``."""
+
+    kind = "engine"
+
+    def __init__(self, model_dir: str, profile: str, sampling: dict[str, Any], engine: dict[str, Any],
+                 source_name: str, router: Any | None = None) -> None:
+        self.profile = load_profile(profile, model_dir)
+        self.sampling = dict(sampling)
+        self.engine_cfg = dict(engine)
+        self.source_name = source_name
+        self.router = router
+        self.max_model_len = int(engine.get("max_model_len") or 4096)
+        self.model_name = os.path.basename(model_dir.rstrip("/"))
+        self.on_error = engine.get("on_error", "quarantine")
+        self.isolate_errors = bool(engine.get("isolate_errors", True))
+
+    def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
+        raise NotImplementedError
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        return min(int(self.sampling["max_tokens"]), self.max_model_len - prompt_len)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch_to_rows(batch)
+        todo = []
+        for r in rows:
+            if not serves(r, self.source_name):
+                continue
+            if len(r["prompt_ids"]) >= self.max_model_len:
+                fail_row(r, f"prompt of {len(r['prompt_ids'])} tokens does not fit max_model_len "
+                            f"{self.max_model_len}", self.source_name, self.router)
+                continue
+            todo.append(r)
+        if todo:
+            self._serve(todo)
+        return rows_to_table(rows)
+
+    def _serve(self, rows: list[dict[str, Any]]) -> None:
+        try:
+            results = self.generate_rows(rows)
+        except Exception as e:
+            if self.on_error == "raise":
+                raise
+            if self.isolate_errors and len(rows) > 1:  # one bad prompt must not take its batch with it
+                for r in rows:
+                    self._serve([r])
+                return
+            for r in rows:
+                fail_row(r, f"engine error: {type(e).__name__}: {e}", self.source_name, self.router)
+            return
+        for r, res in zip(rows, results, strict=True):
+            self._provenance(r)
+            if res.error is not None or res.ids is None:
+                fail_row(r, f"engine error: {res.error or 'no output ids'}", self.source_name, self.router)
+                continue
+            fill_from_engine(r, self.profile, res.ids, res.finish, res.seconds)
+            r.update(status="ok", stage="", reason=r["reason"] if r["status"] == "reroute" else "")
+
+    def _provenance(self, row: dict[str, Any]) -> None:
+        row.update(source=self.source_name, source_kind=self.kind, provider=self.kind, model=self.model_name,
+                   ids_from="engine", sampling=sampling_record(self.sampling, row["sample_id"]))
+
+
+def placement_strategy(bundles: int) -> dict[str, Any]:
+    """Ray remote args putting one actor and its engine's TP workers in one placement group on one node."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}] * bundles, strategy="STRICT_PACK")
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
+
+
+def engine_resources(engine: dict[str, Any], *, ray_tp: bool = True) -> dict[str, Any]:
+    """``map_batches`` resource arguments for an engine actor (see the module doc for TP > 1).
+
+    ``ray_tp``: the engine spreads TP workers as Ray tasks (vLLM); False when it
+    forks them itself on the actor's GPUs (SGLang), so the actor holds all TP GPUs.
+    """
+    tp = int(engine.get("tensor_parallel_size") or engine.get("tp_size") or 1)
+    num_cpus = float(engine.get("num_cpus", 1.0))
+    gpus = float(engine.get("num_gpus", 0.0))
+    if gpus <= 0:
+        return {"num_cpus": num_cpus}
+    if tp == 1 or not ray_tp:
+        return {"num_cpus": num_cpus, "num_gpus": max(gpus, float(tp))}
+    return {"num_cpus": 0, "num_gpus": 0, "ray_remote_args_fn": partial(placement_strategy, tp)}
+
+
+class VLLMGenerator(EngineSource):
+    """Generate with a vLLM engine started once per actor (or an existing ``llm`` handed in)."""
+
+    kind = "vllm"
+
+    def __init__(self, model_dir: str, profile: str, sampling: dict[str, Any], engine: dict[str, Any],
+                 source_name: str, router: Any | None = None, llm: Any | None = None) -> None:
+        super().__init__(model_dir, profile, sampling, engine, source_name, router)
+        self.llm = llm if llm is not None else start_vllm(model_dir, engine, int(sampling.get("seed", 0)))
+
+    def _params(self, sample_id: str, prompt_len: int) -> Any:
+        from vllm import SamplingParams
+
+        s = self.sampling
+        return SamplingParams(
+            temperature=s["temperature"], top_p=s["top_p"], max_tokens=self.max_new_tokens(prompt_len),
+            seed=request_seed(sample_id, s["seed"]), skip_special_tokens=False,
+        )
+
+    def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows],
+            [self._params(r["sample_id"], len(r["prompt_ids"])) for r in rows],
+            use_tqdm=False,
+        )
+        per_sample = (time.perf_counter() - t0) / len(rows)
+        results = []
+        for o in outs:
+            c = o.outputs[0]
+            error = f"request finished with {c.finish_reason!r}" if c.finish_reason == "abort" else None
+            results.append(EngineResult(list(c.token_ids), c.finish_reason, per_sample, error))
+        return results
+
+
+def start_vllm(model_dir: str, engine: dict[str, Any], seed: int) -> Any:
+    """The vLLM engine for one actor; TP > 1 on GPUs runs its workers through Ray (see module doc)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.get("kv_cache_gib", 1)))
+    from vllm import LLM
+
+    tp = int(engine.get("tensor_parallel_size", 1))
+    extra: dict[str, Any] = {}
+    if tp > 1 and float(engine.get("num_gpus", 0)) > 0:
+        extra["distributed_executor_backend"] = "ray"
+    if engine.get("gpu_memory_utilization"):
+        extra["gpu_memory_utilization"] = float(engine["gpu_memory_utilization"])
+    return LLM(
+        model=model_dir,
+        dtype=engine.get("dtype", "auto"),
+        max_model_len=int(engine.get("max_model_len", 4096)),
+        tensor_parallel_size=tp,
+        enforce_eager=engine.get("enforce_eager", True),
+        seed=seed,
+        **extra,
     )

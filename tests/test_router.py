@@ -1,0 +1,193 @@
+"""The router: every prompt to exactly one source, deterministically; shares, overflow, eligibility, re-routes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pytest
+from pydantic import ValidationError
+
+from pipeline.router import (
+    RoutingConfig,
+    assign_sources,
+    build_router,
+    chain_batch_size,
+    merge_outcome,
+    overflow_shares,
+    rank_sources,
+    reroute_overrides,
+    source_infos,
+)
+from pipeline.sources.vllm_source import fail_row, serves
+from pipeline.stages import FLIGHT_SCHEMA, rows_to_table
+
+
+def src(name: str, kind: str = "vllm", **kw):
+    return SimpleNamespace(name=name, kind=kind, **kw)
+
+
+def ds(name: str, sources=None):
+    return SimpleNamespace(name=name, sources=sources)
+
+
+def prompt(i: int, dataset: str = "chat", tools: str = "") -> dict:
+    return {"sample_id": f"{dataset}:{i}:{i * 7919 % 10007:04x}", "dataset": dataset, "tools": tools}
+
+
+SOURCES = [src("vllm"), src("api", "openrouter")]
+DATASETS = [ds("chat"), ds("tools")]
+
+
+def test_each_prompt_goes_to_exactly_one_source_deterministically():
+    routing = RoutingConfig.model_validate({"sources": {"vllm": {"weight": 3}, "api": {"weight": 1}}})
+    rows = [prompt(i) for i in range(4000)]
+    r1 = build_router(SOURCES, DATASETS, routing, len(rows))
+    by_source, unroutable = r1.assign(rows)
+    assert not unroutable
+    ids = [p["sample_id"] for group in by_source.values() for p in group]
+    assert sorted(ids) == sorted(p["sample_id"] for p in rows)  # each once
+    # A fresh router from the same config, prompts in another order: the same decision per prompt.
+    r2 = build_router(SOURCES, DATASETS, RoutingConfig.model_validate(routing.model_dump()), len(rows))
+    again, _ = r2.assign(list(reversed(rows)))
+    assert {k: sorted(p["sample_id"] for p in v) for k, v in again.items()} == \
+        {k: sorted(p["sample_id"] for p in v) for k, v in by_source.items()}
+    share = len(by_source["vllm"]) / len(rows)
+    assert abs(share - 0.75) < 0.03
+
+
+def test_removing_a_source_moves_only_its_prompts():
+    weights = {"a": 1.0, "b": 2.0, "c": 1.0}
+    ids = [f"d:{i}:h" for i in range(2000)]
+    before = {i: rank_sources(i, weights)[0] for i in ids}
+    after = {i: rank_sources(i, {"a": 1.0, "c": 1.0})[0] for i in ids}
+    moved = [i for i in ids if before[i] != after[i]]
+    assert moved and all(before[i] == "b" for i in moved)
+    # b's prompts split between a and c by their weights.
+    counts = Counter(after[i] for i in moved)
+    assert abs(counts["a"] / len(moved) - 0.5) < 0.06
+
+
+def test_overflow_mode_fills_local_capacity_first():
+    infos = source_infos([src("gpu1"), src("gpu2"), src("api", "openrouter")],
+                         RoutingConfig.model_validate({
+                             "mode": "overflow", "deadline_s": 100,
+                             "sources": {"gpu1": {"capacity": 3}, "gpu2": {"capacity": 1},
+                                         "api": {"role": "overflow"}}}))
+    shares = overflow_shares(1000, infos, 100.0)  # locals serve 400 of 1000 within the deadline
+    assert shares == pytest.approx({"gpu1": 0.3, "gpu2": 0.1, "api": 0.6})
+    shares = overflow_shares(200, infos, 100.0)  # locals can take everything: the API gets nothing
+    assert shares == pytest.approx({"gpu1": 0.75, "gpu2": 0.25, "api": 0.0})
+    routing = RoutingConfig.model_validate({"mode": "overflow", "deadline_s": 100,
+                                            "sources": {"vllm": {"capacity": 1}, "api": {"role": "overflow"}}})
+    router = build_router(SOURCES, DATASETS, routing, 400)
+    by_source, _ = router.assign([prompt(i) for i in range(400)])
+    assert abs(len(by_source["vllm"]) / 400 - 0.25) < 0.06
+    # The API still stands behind the local source for re-routes when locals take everything.
+    router = build_router(SOURCES, DATASETS, routing, 50)
+    by_source, _ = router.assign([prompt(i) for i in range(50)])
+    assert len(by_source["api"]) == 0
+    assert all(router.next_source(p, "vllm") == "api" for p in by_source["vllm"])
+
+
+def test_overflow_config_errors_name_the_missing_piece():
+    with pytest.raises(ValidationError, match="deadline_s"):
+        RoutingConfig.model_validate({"mode": "overflow", "sources": {"api": {"role": "overflow"}}})
+    with pytest.raises(ValidationError, match="role: overflow"):
+        RoutingConfig.model_validate({"mode": "overflow", "deadline_s": 10})
+    routing = RoutingConfig.model_validate({"mode": "overflow", "deadline_s": 10,
+                                            "sources": {"api": {"role": "overflow"}}})
+    with pytest.raises(ValueError, match="'vllm' needs a capacity"):
+        build_router(SOURCES, DATASETS, routing, 10)
+    with pytest.raises(ValueError, match="unknown source 'gpu9'"):
+        build_router(SOURCES, DATASETS, RoutingConfig.model_validate({"sources": {"gpu9": {}}}), 10)
+
+
+def test_dataset_sources_and_tool_rules_limit_eligibility():
+    sources = [src("vllm"), src("api", "openrouter", send_tools=False), src("api-tools", "openrouter",
+                                                                             send_tools=True)]
+    datasets = [ds("chat", ["api", "api-tools"]), ds("tools"), ds("agent")]
+    routing = RoutingConfig.model_validate({"tool_prompts": "tools_sent",
+                                            "tool_prompts_by_dataset": {"tools": "exact_ids"}})
+    router = build_router(sources, datasets, routing, 100)
+    tool = '[{"type": "function", "function": {"name": "f"}}]'
+    assert router.eligible("chat", False) == ["api", "api-tools"]
+    assert router.eligible("tools", True) == ["vllm"]
+    assert router.eligible("tools", False) == ["vllm", "api", "api-tools"]
+    assert router.eligible("agent", True) == ["vllm", "api-tools"]
+    assert router.eligible("chat", True) == ["api-tools"]
+    by_source, unroutable = router.assign([prompt(i, "tools", tool) for i in range(50)])
+    assert len(by_source["vllm"]) == 50 and not unroutable
+    only_api = build_router(sources[1:2], [ds("tools")], RoutingConfig(tool_prompts="exact_ids"), 10)
+    _, unroutable = only_api.assign([prompt(1, "tools", tool), prompt(2, "tools")])
+    assert [p["sample_id"] for p in unroutable] == [prompt(1, "tools")["sample_id"]]
+
+
+def flight(i: int, **kw) -> dict:
+    row = dict.fromkeys(FLIGHT_SCHEMA.names)
+    row.update({"sample_id": f"chat:{i}:h", "dataset": "chat", "row_index": i, "messages": "[]", "tools": "",
+                "thinking": True, "prompt_ids": [1, 2, 3], "status": "ok", "stage": "", "reason": "", **kw})
+    return row
+
+
+def test_failed_rows_walk_their_ranking_then_quarantine():
+    sources = [src("a"), src("b"), src("c")]
+    router = build_router(sources, [ds("chat")], RoutingConfig(max_hops=1), 10)
+    row = flight(1)
+    order = router.ranking(row)
+    assert len(order) == 2 and set(order) <= {"a", "b", "c"}
+    fail_row(row, "engine error: boom", order[0], router)
+    assert row["status"] == "reroute" and row["source"] == order[1] and row["reason"].startswith(order[0])
+    assert serves(row, order[1]) and not serves(row, order[0])
+    fail_row(row, "engine error: again", order[1], router)  # max_hops reached
+    assert (row["status"], row["stage"], row["source"]) == ("quarantine", "generate", order[1])
+    no_reroute = build_router(sources, [ds("chat")], RoutingConfig(reroute=False), 10)
+    row = flight(2)
+    fail_row(row, "engine error: boom", no_reroute.route(row), no_reroute)
+    assert row["status"] == "quarantine"
+
+
+def test_assign_sources_stage_and_refeed_overrides():
+    router = build_router(SOURCES, DATASETS, RoutingConfig(), 10)
+    rows = [flight(i) for i in range(6)] + [flight(9, status="quarantine", stage="render", reason="bad")]
+    out = assign_sources(rows_to_table(rows), router).to_pylist()
+    assert [r["source"] for r in out[:6]] == [router.route(r) for r in rows[:6]]
+    assert out[6]["source"] is None and out[6]["status"] == "quarantine"
+    forced = assign_sources(rows_to_table(rows[:2]), router, {rows[0]["sample_id"]: "api"}).to_pylist()
+    assert forced[0]["source"] == "api" and forced[1]["source"] == router.route(rows[1])
+    left = [dict(out[0], status="reroute", source="vllm"), dict(out[1], status="ok")]
+    assert reroute_overrides(left) == {out[0]["sample_id"]: "vllm"}
+    unroutable = build_router([src("api", "openrouter")], [ds("chat")], RoutingConfig(tool_prompts="exact_ids"), 1)
+    out = assign_sources(rows_to_table([flight(1, tools='[{"type": "function"}]')]), unroutable).to_pylist()
+    assert out[0]["status"] == "quarantine" and out[0]["reason"].startswith("route: no source")
+
+
+def test_http_outcomes_fold_into_flight_rows():
+    router = build_router(SOURCES, DATASETS, RoutingConfig(), 10)
+    ok = {"status": "ok", "error": "", "source": "api", "source_kind": "openrouter", "provider": "Beta",
+          "model": "tiny", "ids_from": "rebuilt", "output_ids": [5, 6, 1], "reasoning": "r", "content": "c",
+          "tool_calls": "", "finish_reason": "stop", "truncated": False, "billed_completion_tokens": 3,
+          "cost": 0.001, "sampling": "{}", "t_generate_s": 0.2, "prompt_ids": None}
+    row = merge_outcome(flight(1, source="api"), ok, "api", router)
+    assert row["status"] == "ok" and row["output_ids"] == [5, 6, 1] and row["prompt_ids"] == [1, 2, 3]
+    assert (row["provider"], row["ids_from"], row["billed_completion_tokens"]) == ("Beta", "rebuilt", 3)
+    bad = {"status": "quarantined", "error": "after 2 attempt(s): 502", "provider": "Alpha"}
+    for i in range(2, 12):  # api first in some prompts' order (next: vllm), last in others (quarantine)
+        nxt = router.next_source(flight(i), "api")
+        row = merge_outcome(flight(i, source="api"), bad, "api", router)
+        assert (row["status"], row["source"]) == (("reroute", "vllm") if nxt else ("quarantine", "api"))
+    row = merge_outcome(flight(3, source="api"), bad, "api", None)
+    assert (row["status"], row["stage"], row["reason"]) == ("quarantine", "generate", "after 2 attempt(s): 502")
+    spent = {"status": "not_generated", "error": "budget of 'chat' is spent"}
+    row = merge_outcome(flight(4, source="api"), spent, "api", None)
+    assert row["status"] == "not_generated"
+    table = rows_to_table([row])
+    assert isinstance(table, pa.Table) and table.num_rows == 1
+
+
+def test_chain_batches_widen_with_the_share():
+    assert chain_batch_size(16, 1.0) == 16
+    assert chain_batch_size(16, 0.5) == 32
+    assert chain_batch_size(16, 0.01) == 128
+    assert chain_batch_size(16, 0.0) == 16

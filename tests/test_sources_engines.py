@@ -1,0 +1,120 @@
+"""Local engine sources on the tiny target: exact ids, per-sample seeds, failures that lose no row.
+
+Uses the session's one vLLM engine (``tiny_llm``) handed to the source stage,
+and a transformers model; no further vLLM engine is started.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from pipeline.config import DatasetConfig
+from pipeline.datasets import load_dataset
+from pipeline.router import RoutingConfig, build_router
+from pipeline.sources.transformers_source import TransformersGenerator
+from pipeline.sources.vllm_source import VLLMGenerator
+from pipeline.stages import RenderPrompts, batch_to_rows, rows_to_table
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "max_tokens": 24, "seed": 0}
+SAMPLED = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 16, "seed": 5}
+ENGINE = {"max_model_len": 2048, "dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def flight_rows(repo_root: Path, tiny_target: Path) -> list[dict]:
+    prompts = []
+    for name, fmt in (("chat", "messages"), ("tools", "messages")):
+        rows, _ = load_dataset(DatasetConfig(name=name, path=str(repo_root / "data/prompts" / f"{name}.jsonl"),
+                                             format=fmt, max_rows=3))
+        prompts += rows
+    rendered = RenderPrompts("deepseek", str(tiny_target))(pa.Table.from_pylist(prompts))
+    return batch_to_rows(rendered)
+
+
+def fresh(rows: list[dict]) -> list[dict]:
+    return json.loads(json.dumps(rows))
+
+
+def direct(llm, rows: list[dict], sampling: dict) -> list[tuple[list[int], str]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=sampling["temperature"], top_p=sampling["top_p"],
+                            max_tokens=sampling["max_tokens"], skip_special_tokens=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in rows], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+
+
+def test_vllm_stage_keeps_exact_ids_and_isolates_a_bad_prompt(tiny_llm, tiny_target, flight_rows):
+    rows = fresh(flight_rows)
+    oov = dict(fresh(flight_rows[:1])[0], sample_id="chat:99:oov")
+    oov["prompt_ids"] = oov["prompt_ids"] + [10**7]  # rejected by the engine: the whole batch call raises
+    other = dict(fresh(flight_rows[:1])[0], sample_id="chat:98:api", source="api")  # routed elsewhere
+    stage = VLLMGenerator(str(tiny_target), "deepseek", GREEDY, ENGINE, "vllm-cpu", llm=tiny_llm)
+    out = stage(rows_to_table(rows + [oov, other])).to_pylist()
+    by_id = {r["sample_id"]: r for r in out}
+    assert len(out) == len(rows) + 2
+    assert by_id["chat:99:oov"]["status"] == "quarantine" and by_id["chat:99:oov"]["stage"] == "generate"
+    assert "out of vocabulary" in by_id["chat:99:oov"]["reason"]
+    assert by_id["chat:98:api"]["output_ids"] is None and by_id["chat:98:api"]["source"] == "api"
+    expected = direct(tiny_llm, rows, GREEDY)
+    for r, (ids, finish) in zip(rows, expected, strict=True):
+        s = by_id[r["sample_id"]]
+        assert s["status"] == "ok" and s["output_ids"] == ids and len(ids) > 0 and s["finish_reason"] == finish
+        assert (s["source"], s["source_kind"], s["provider"], s["ids_from"]) == ("vllm-cpu", "vllm", "vllm", "engine")
+        assert s["model"] == tiny_target.name and s["finish_reason"] in ("stop", "length")
+        assert json.loads(s["sampling"])["temperature"] == 0.0 and "request_seed" in json.loads(s["sampling"])
+
+
+def test_vllm_failure_is_rerouted_when_the_router_names_a_next_source(tiny_llm, tiny_target, flight_rows):
+    from types import SimpleNamespace
+
+    sources = [SimpleNamespace(name="vllm-cpu", kind="vllm"), SimpleNamespace(name="api", kind="openrouter")]
+    router = build_router(sources, [SimpleNamespace(name="chat", sources=None)], RoutingConfig(), 10)
+    base = fresh(flight_rows[:1])[0]
+    # A prompt whose order is vllm-cpu then api, so vLLM's failure hands it on.
+    row = next(dict(base, sample_id=f"chat:{i}:oov") for i in range(100)
+               if router.ranking({**base, "sample_id": f"chat:{i}:oov"}) == ["vllm-cpu", "api"])
+    row["prompt_ids"] = row["prompt_ids"] + [10**7]
+    row["source"] = "vllm-cpu"
+    stage = VLLMGenerator(str(tiny_target), "deepseek", GREEDY, ENGINE, "vllm-cpu", router=router, llm=tiny_llm)
+    (out,) = stage(rows_to_table([row])).to_pylist()
+    assert (out["status"], out["source"], out["stage"]) == ("reroute", "api", "generate")
+    assert out["reason"].startswith("vllm-cpu: engine error")
+
+
+def test_vllm_seeded_samples_do_not_depend_on_their_batch(tiny_llm, tiny_target, flight_rows):
+    stage = VLLMGenerator(str(tiny_target), "deepseek", SAMPLED, ENGINE, "vllm-cpu", llm=tiny_llm)
+    together = stage(rows_to_table(fresh(flight_rows))).to_pylist()
+    alone = stage(rows_to_table(fresh(flight_rows[2:3]))).to_pylist()
+    assert alone[0]["output_ids"] == together[2]["output_ids"]
+    assert len({tuple(r["output_ids"]) for r in together}) > 1
+
+
+def test_transformers_greedy_ids_equal_vllm_greedy_ids(tiny_llm, tiny_target, flight_rows):
+    rows = fresh(flight_rows[:2] + flight_rows[3:5])  # chat and tool-calling prompts
+    stage = TransformersGenerator(str(tiny_target), "deepseek", GREEDY, ENGINE, "hf")
+    out = stage(rows_to_table(rows)).to_pylist()
+    assert [(r["output_ids"], r["finish_reason"]) for r in out] == direct(tiny_llm, rows, GREEDY)
+    for r in out:
+        assert (r["status"], r["source"], r["source_kind"], r["ids_from"]) == ("ok", "hf", "transformers", "engine")
+        assert r["truncated"] == (r["finish_reason"] == "length")
+
+
+def test_transformers_seeds_and_context_limit(tiny_target, flight_rows):
+    rows = fresh(flight_rows[:2])
+    stage = TransformersGenerator(str(tiny_target), "deepseek", SAMPLED, ENGINE, "hf")
+    first = stage(rows_to_table(fresh(rows))).to_pylist()
+    again = stage(rows_to_table(fresh(rows[::-1]))).to_pylist()[::-1]
+    assert [r["output_ids"] for r in first] == [r["output_ids"] for r in again]
+    renamed = stage(rows_to_table([dict(fresh(rows)[0], sample_id="chat:0:other")])).to_pylist()
+    assert renamed[0]["output_ids"] != first[0]["output_ids"]  # the seed follows the sample id
+    short = TransformersGenerator(str(tiny_target), "deepseek", SAMPLED, {**ENGINE, "max_model_len": 8}, "hf")
+    out = short(rows_to_table(fresh(rows))).to_pylist()
+    assert all(r["status"] == "quarantine" and "does not fit max_model_len 8" in r["reason"] for r in out)

@@ -1,0 +1,376 @@
+"""Drafter training: TTT masks and alignment, vocab mapping, export, resume, learning, Ray Train."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig
+
+from training.checkpoint import LocalCheckpoints
+from training.config import DraftTrainConfig, default_aux_layer_ids, resolve_aux_layer_ids
+from training.data import Batch, batches, collate, pack_rows, to_sample
+from training.export import export_draft, load_exported
+from training.loss import shift_left, soft_cross_entropy, step_view, ttt_forward, unroll
+from training.model import Eagle3Drafter
+from training.simulate import simulate_acceptance, walk_acceptance
+from training.target import greedy_ids, load_target_parts
+from training.testing import generated_rows, random_prompts, torch_threads
+from training.train import cosine_with_warmup, prepare_drafter, train_drafter, train_loop
+from training.ttt_attention import StepKVCache, cached_step_attention, step0_mask
+from training.vocab import build_vocab_mapping, count_loss_masked_tokens, mapping_from_ids, select_draft_ids
+
+EXPORT_KEYS = {
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
+}
+AUX_IDS = [1, 2, 3]  # 4-layer target: the default [2, 2, 1] collides
+PROMPT_IDS = (10, 120_000)  # ordinary tokens of the tiny target's vocab
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two OpenMP threads fighting other processes on a 2-core box are ~30x slower than one."""
+    with torch_threads(1):
+        yield
+
+
+def small_drafter(vocab: int = 50, draft_vocab: int = 20, hidden: int = 32, seed: int = 0) -> Eagle3Drafter:
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, num_hidden_layers=1)
+    config.draft_vocab_size, config.target_hidden_size = draft_vocab, hidden
+    config.eagle_aux_hidden_state_layer_ids = AUX_IDS
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(config)
+    ids = torch.arange(0, 2 * draft_vocab, 2)
+    model.d2t.copy_(ids - torch.arange(draft_vocab))
+    model.t2d.zero_()
+    model.t2d[ids] = True
+    return model
+
+
+def fake_rows(lengths: list[int], vocab: int = 50, hidden: int = 32, prompt: int = 3, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i, n in enumerate(lengths):
+        ids = rng.integers(0, vocab, n)
+        rows.append(dict(sample_id=f"r{i}", input_ids=ids, loss_mask=(np.arange(n) >= prompt).astype(np.int8),
+                         aux_hidden=rng.standard_normal((n, 3 * hidden)).astype(np.float32),
+                         final_hidden=rng.standard_normal((n, hidden)).astype(np.float32),
+                         target_ids=rng.integers(0, vocab, n)))
+    return rows
+
+
+def packed(rows: list[dict], row_len: int, num_rows: int = 1) -> Batch:
+    samples = [to_sample(r, row_len) for r in rows]
+    return collate(list(pack_rows(samples, row_len)), num_rows, row_len)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_aux_layer_defaults_and_validation():
+    assert default_aux_layer_ids(32) == [2, 16, 29]
+    assert default_aux_layer_ids(4) == [1, 2, 3]  # [2, 2, 1] collides on 4 layers
+    assert resolve_aux_layer_ids(DraftTrainConfig(), 32) == [2, 16, 29]
+    with pytest.raises(ValueError):
+        DraftTrainConfig(aux_layer_ids=[3, 2, 1])  # vLLM sorts ids: order must match
+    with pytest.raises(ValueError):
+        resolve_aux_layer_ids(DraftTrainConfig(aux_layer_ids=[1, 2, 4]), 4)  # id L is post-norm in HF
+    with pytest.raises(ValueError):
+        DraftTrainConfig(bogus=1)
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    f = cosine_with_warmup(10, 110)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.5)
+    assert f(110) == pytest.approx(0.0, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- TTT attention
+
+
+def test_step0_mask_is_causal_within_documents():
+    docs = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    m = step0_mask(docs)[0, 0]
+    assert m[2].tolist() == [True, True, True, False, False, False]
+    assert m[4].tolist() == [False, False, False, True, True, False]
+    assert m[0].tolist() == [True, False, False, False, False, False]
+    assert m[5].tolist() == [False] * 5 + [True]  # padding sees only itself
+
+
+def naive_ttt_attention(qs, ks, vs, mask0):
+    """Reference: attention over all (k+1)*L keys with the explicit TTT mask."""
+    length = qs[0].shape[-2]
+    outs = []
+    for k, q in enumerate(qs):
+        keys = torch.cat(ks[: k + 1], dim=-2)
+        values = torch.cat(vs[: k + 1], dim=-2)
+        eye = torch.eye(length, dtype=torch.bool).expand(mask0.shape[0], 1, length, length)
+        mask = torch.cat([mask0] + [eye] * k, dim=-1)
+        scores = (q @ keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        outs.append(torch.softmax(scores.masked_fill(~mask, -torch.inf), -1) @ values)
+    return outs
+
+
+def test_cached_attention_equals_explicit_ttt_mask():
+    torch.manual_seed(0)
+    b, h, length, d, steps = 2, 3, 7, 8, 4
+    qs, ks, vs = ([torch.randn(b, h, length, d) for _ in range(steps)] for _ in range(3))
+    mask0 = step0_mask(torch.tensor([[0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0, -1]]))
+    cache = StepKVCache()
+    got = [cached_step_attention(q, k, v, cache, mask0) for q, k, v in zip(qs, ks, vs, strict=True)]
+    for g, want in zip(got, naive_ttt_attention(qs, ks, vs, mask0), strict=True):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    # the step-2 query at t=3 must ignore step-1/2 keys at other indices
+    assert len(cache) == steps
+
+
+# --------------------------------------------------------------------------- alignment and loss
+
+
+def test_step_view_alignment_two_documents():
+    row_a = dict(input_ids=np.array([10, 11, 12, 13, 14]), loss_mask=np.array([0, 0, 1, 1, 1]))
+    row_b = dict(input_ids=np.array([20, 21, 22]), loss_mask=np.array([0, 1, 1]))
+    rows = [{**r, "aux_hidden": np.zeros((len(r["input_ids"]), 6), np.float32),
+             "final_hidden": np.zeros((len(r["input_ids"]), 2), np.float32),
+             "target_ids": np.zeros(len(r["input_ids"]), np.int64)} for r in (row_a, row_b)]
+    batch = packed(rows, row_len=10)
+    in_draft = torch.ones_like(batch.doc_ids, dtype=torch.bool)
+    v0 = step_view(batch, in_draft, 0)
+    # step 0: index t reads token t+1 and predicts token t+2 (a loss-masked token of its own doc)
+    assert v0.tokens[0, :8].tolist() == [11, 12, 13, 14, 20, 21, 22, 0]
+    assert v0.position_ids[0, :8].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert v0.trained[0].tolist() == [True, True, True, False, False, True, False, False, False, False]
+    v1 = step_view(batch, in_draft, 1)
+    assert v1.tokens[0, :3].tolist() == [12, 13, 14]
+    assert v1.position_ids[0, :2].tolist() == [1, 2]
+    assert v1.trained[0].tolist() == [True, True, False, False, False, False, False, False, False, False]
+    # a target argmax outside the draft vocab removes the position from the loss only
+    in_draft[0, 2] = False  # target position 2 is what step 0 at t=1 is taught with
+    v0b = step_view(batch, in_draft, 0)
+    assert v0b.valid[0, :3].tolist() == [True, False, True] and v0b.trained[0, 1]
+
+
+def test_shift_left_pads_with_fill():
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert shift_left(x, 0, 9).tolist() == [[1, 2, 3, 4]]
+    assert shift_left(x, 2, 9).tolist() == [[3, 4, 9, 9]]
+
+
+def test_soft_cross_entropy_matches_hard_ce_and_ignores_masked():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, 6)
+    labels = torch.tensor([[1, 5, 0, 2]])
+    onehot = torch.nn.functional.one_hot(labels, 6).float()
+    mask = torch.tensor([[True, True, False, True]])
+    got = soft_cross_entropy(onehot, logits, mask)
+    want = torch.nn.functional.cross_entropy(logits[mask], labels[mask])
+    torch.testing.assert_close(got, want)
+    assert soft_cross_entropy(onehot, logits, torch.zeros_like(mask)) == 0
+
+
+def test_packed_documents_do_not_leak_into_each_other():
+    model = small_drafter().eval()
+    rows = fake_rows([9, 6])
+    alone = packed(rows[:1], row_len=9)
+    both = packed(rows, row_len=16)
+    both_changed = packed([rows[0], fake_rows([6], seed=5)[0]], row_len=16)
+    in_draft = lambda b: torch.ones_like(b.doc_ids, dtype=torch.bool)  # noqa: E731
+    with torch.no_grad():
+        a = [lg for _, lg in unroll(model, alone, in_draft(alone), 3)]
+        b = [lg for _, lg in unroll(model, both, in_draft(both), 3)]
+        c = [lg for _, lg in unroll(model, both_changed, in_draft(both_changed), 3)]
+    for k in range(3):
+        n = 9 - (k + 1)  # indices whose step-k input token is still inside document A
+        torch.testing.assert_close(a[k][0, :n], b[k][0, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b[k][0, :n], c[k][0, :n], rtol=0, atol=0)
+
+
+def test_ttt_loss_weights_steps_and_backpropagates_through_the_unroll():
+    model = small_drafter()
+    batch = packed(fake_rows([12, 10]), row_len=24)
+    lm_head_draft = torch.randn(20, 32)
+    out = ttt_forward(model, batch, lm_head_draft, ttt_steps=3, step_decay=0.5)
+    assert out.loss.item() == pytest.approx(sum(0.5**k * lk for k, lk in enumerate(out.step_losses)), rel=1e-5)
+    assert out.step_counts[0] >= out.step_counts[1] > out.step_counts[2] > 0  # later steps run off the end
+    # the last step's loss reaches fc only through the fed-back hidden states of earlier steps
+    model.zero_grad()
+    in_draft = torch.ones_like(batch.doc_ids, dtype=torch.bool)
+    views = list(unroll(model, batch, in_draft, 3))
+    views[2][1].sum().backward()
+    assert model.fc.weight.grad.abs().sum() > 0
+    assert model.embed_tokens.weight.grad is None  # frozen target embeddings
+
+
+# --------------------------------------------------------------------------- vocab
+
+
+def test_vocab_counts_only_loss_masked_tokens_and_breaks_ties_by_id():
+    rows = [dict(input_ids=np.array([5, 5, 7, 7, 7, 9, 3, 3]), loss_mask=np.array([0, 0, 1, 1, 1, 1, 1, 1]))]
+    counts = count_loss_masked_tokens(rows, 12)
+    assert counts[5] == 0 and counts[7] == 3 and counts[3] == 2 and counts[9] == 1
+    assert select_draft_ids(counts, 2).tolist() == [3, 7]
+    assert select_draft_ids(counts, 3).tolist() == [3, 7, 9]
+    # fewer distinct tokens than the draft vocab: fill with the lowest unseen ids
+    assert select_draft_ids(counts, 5).tolist() == [0, 1, 3, 7, 9]
+    assert select_draft_ids(counts, 50).tolist() == list(range(12))
+
+
+def test_vocab_mapping_d2t_t2d_roundtrip():
+    m = build_vocab_mapping([dict(input_ids=np.array([4, 4, 8, 1]), loss_mask=np.ones(4))], 10, 3)
+    assert m.d2t.dtype == torch.int64 and m.t2d.dtype == torch.bool
+    assert m.draft_ids.tolist() == [1, 4, 8]
+    assert m.d2t.tolist() == [1, 3, 6]  # target_id(i) - i
+    assert torch.nonzero(m.t2d).flatten().tolist() == [1, 4, 8]
+    with pytest.raises(ValueError):
+        mapping_from_ids(np.array([4, 1]), 10)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_rows_are_validated_truncated_and_packed():
+    rows = fake_rows([5, 7, 3, 9])
+    with pytest.raises(ValueError, match="lengths differ"):
+        to_sample({**rows[0], "loss_mask": np.ones(4)}, 16)
+    with pytest.raises(KeyError):
+        to_sample({"input_ids": np.ones(3)}, 16)
+    s = to_sample(rows[3], 6)
+    assert len(s) == 6 and s.aux_hidden.shape == (6, 96)
+    out = list(batches((to_sample(r, 8) for r in rows), batch_tokens=16, row_len=8))
+    assert [b.input_ids.shape for b in out] == [(2, 8), (2, 8)]
+    assert sum(b.num_tokens for b in out) == 5 + 7 + 3 + 8
+    assert out[0].position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+
+
+# --------------------------------------------------------------------------- target-backed tests
+
+
+@pytest.fixture(scope="module")
+def greedy_data(tiny_target: Path):
+    """The tiny target's own greedy continuations (train and held-out prompts)."""
+    train = random_prompts(96, PROMPT_IDS[1], (8, 24), seed=1)
+    held = random_prompts(12, PROMPT_IDS[1], (8, 24), seed=2)
+    rows = generated_rows(tiny_target, train + held, 48, AUX_IDS)
+    return rows[: len(train)], rows[len(train):]
+
+
+@pytest.fixture(scope="module")
+def target_parts(tiny_target: Path):
+    return load_target_parts(tiny_target)
+
+
+def test_generated_rows_follow_the_contract(greedy_data, target_parts):
+    row = greedy_data[0][0]
+    t = len(row["input_ids"])
+    h = target_parts.hidden_size
+    assert row["aux_hidden"].shape == (t, 3 * h) and row["final_hidden"].shape == (t, h)
+    # final_hidden is post-norm: its logits reproduce the greedy continuation
+    nxt = greedy_ids(torch.from_numpy(row["final_hidden"]), target_parts.lm_head).numpy()
+    m = row["loss_mask"].astype(bool)
+    assert (nxt[:-1][m[1:]] == row["input_ids"][1:][m[1:]]).mean() > 0.95
+
+
+def test_export_load_roundtrip(tmp_path, tiny_target, target_parts, greedy_data):
+    cfg = DraftTrainConfig(draft_vocab_size=512, aux_layer_ids=AUX_IDS)
+    vocab = build_vocab_mapping(greedy_data[0], target_parts.vocab_size, cfg.draft_vocab_size)
+    drafter = prepare_drafter(cfg, target_parts, vocab)
+    with torch.no_grad():
+        drafter.fc.weight.normal_()
+    out = export_draft(drafter, tmp_path / "export", target_config=target_parts.config)
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        assert set(fh.keys()) == EXPORT_KEYS
+        assert fh.get_tensor("d2t").dtype == torch.int64 and fh.get_tensor("t2d").dtype == torch.bool
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": AUX_IDS, "use_aux_hidden_state": True}
+    assert config["draft_vocab_size"] == 512 and config["vocab_size"] == target_parts.vocab_size
+    assert config["target_hidden_size"] == target_parts.hidden_size
+    assert config["rope_theta"] == target_parts.config["rope_theta"]
+    assert "input of target decoder layer" in config["aux_hidden_state_convention"]
+    back = load_exported(out, tiny_target)
+    want, got = drafter.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+
+
+def test_walk_acceptance_counts_like_greedy_verification():
+    target_next = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    prop = np.zeros((2, 10), np.int64)
+    prop[0, 0], prop[1, 0] = 2, 3  # from t=0 both drafts right -> next start t=3
+    prop[0, 3], prop[1, 3] = 5, 0  # from t=3 first right only -> t=5
+    prop[0, 5] = 99  # miss -> t=6; then t=6, t=7 misses; t=8 cannot draft 2 more
+    drafts, accepted = walk_acceptance(prop, target_next, start=0)
+    assert drafts == 5 and accepted == [2, 1]
+
+
+def small_cfg(**kw) -> DraftTrainConfig:
+    base = dict(steps=8, batch_tokens=512, max_len=128, draft_vocab_size=1024, aux_layer_ids=AUX_IDS,
+                ttt_steps=3, lr=2e-3, warmup_steps=2, checkpoint_every=3, log_every=4, shuffle_buffer=16)
+    return DraftTrainConfig(**{**base, **kw})
+
+
+def test_resume_after_interruption_matches_uninterrupted(tmp_path, tiny_target, target_parts, greedy_data):
+    rows = greedy_data[0][:40]
+    cfg = small_cfg()
+    vocab = build_vocab_mapping(rows, target_parts.vocab_size, cfg.draft_vocab_size)
+    full, _ = train_loop(cfg, tiny_target, tmp_path / "full", lambda e: rows, vocab)
+
+    class Killed(Exception):
+        pass
+
+    def kill_at_5(step: int) -> None:
+        if step == 5:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_loop(cfg, tiny_target, tmp_path / "cut", lambda e: rows, vocab, after_step=kill_at_5)
+    latest = LocalCheckpoints(tmp_path / "cut" / "checkpoints", cfg.keep_checkpoints).latest()
+    assert latest is not None and latest.name == "step_0000003"
+    resumed, _ = train_loop(cfg, tiny_target, tmp_path / "cut", lambda e: rows, vocab, resume_from=latest)
+    for k, v in full.trainable_state_dict().items():
+        assert torch.equal(v, resumed.trainable_state_dict()[k]), k
+    logs = [(tmp_path / d / "metrics.jsonl").read_text().splitlines() for d in ("full", "cut")]
+    steps = [[json.loads(ln)["step"] for ln in log] for log in logs]
+    assert steps[0] == steps[1] == list(range(1, 9))
+    losses = [[json.loads(ln)["loss"] for ln in log] for log in logs]
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.slow
+def test_training_improves_simulated_acceptance(tmp_path, tiny_target, target_parts, greedy_data):
+    train_rows, held = greedy_data
+    cfg = small_cfg(steps=60, batch_tokens=2048, max_len=256, ttt_steps=3, lr=3e-3, warmup_steps=5,
+                    checkpoint_every=1000, log_every=20)
+    vocab = build_vocab_mapping(train_rows, target_parts.vocab_size, cfg.draft_vocab_size)
+    untrained = simulate_acceptance(prepare_drafter(cfg, target_parts, vocab), held, target_parts.lm_head, k=3)
+    drafter, metrics = train_loop(cfg, tiny_target, tmp_path, lambda e: train_rows, vocab)
+    trained = simulate_acceptance(drafter, held, target_parts.lm_head, k=3)
+    assert metrics["acc_0"] > 0.3
+    assert trained.acceptance_length >= untrained.acceptance_length + 0.3, (untrained, trained)
+    assert trained.per_position[0] >= trained.per_position[1] >= trained.per_position[2]
+
+
+@pytest.mark.slow
+def test_ray_train_restarts_killed_worker_from_checkpoint(tmp_path, ray_session, tiny_target, target_parts, greedy_data):
+    rows = greedy_data[0][:40]
+    cfg = small_cfg(max_failures=1)
+    vocab = build_vocab_mapping(rows, target_parts.vocab_size, cfg.draft_vocab_size)
+    result = train_drafter(rows, cfg, tiny_target, tmp_path / "ray", crash_at_step=5)
+    assert result.metrics["step"] == cfg.steps
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, cfg.steps + 1))  # steps 4-5 of the killed attempt were re-run
+    ray_drafter = load_exported(result.export_dir, tiny_target)
+    reference, _ = train_loop(cfg, tiny_target, tmp_path / "ref", lambda e: rows, vocab)
+    for k, v in reference.trainable_state_dict().items():
+        torch.testing.assert_close(ray_drafter.trainable_state_dict()[k], v, rtol=0, atol=0, msg=k)
