@@ -164,6 +164,7 @@ class ProviderHealth:
     def __init__(self, policy: HealthPolicy | None = None) -> None:
         self.policy = policy or HealthPolicy()
         self.providers: dict[str, ProviderStats] = {}
+        self._excluded: tuple[str, ...] = ()
 
     def record(self, provider: str, outcome: Outcome, *, billed: int = 0, cost: float = 0.0,
                drift: int | None = None) -> str | None:
@@ -195,14 +196,19 @@ class ProviderHealth:
             reason = f"error rate {errors}/{n} > {self.policy.max_error_rate}"
         elif served and invalid / served > self.policy.max_invalid_rate:
             reason = f"validation-failure rate {invalid}/{served} > {self.policy.max_invalid_rate}"
+        if reason and all(o.excluded_reason for name, o in self.providers.items() if name != provider):
+            # Routing around every provider leaves nothing to serve: keep the last one, say so.
+            log.warning("provider %r crosses the exclusion policy (%s) but is the last one left", provider, reason)
+            return None
         if reason:
             st.excluded_reason = reason
+            self._excluded = tuple(sorted((*self._excluded, provider)))
             log.warning("excluding provider %r: %s", provider, reason)
         return reason
 
     @property
     def excluded(self) -> tuple[str, ...]:
-        return tuple(sorted(p for p, st in self.providers.items() if st.excluded_reason))
+        return self._excluded
 
     def report(self) -> dict[str, dict[str, Any]]:
         return {p: {"requests": st.requests, "errors": st.errors, "invalid": st.invalid,
@@ -239,19 +245,22 @@ class Ledger:
             if kind == "reserve":
                 results.append(self.budget.reserve(op[1], op[2]))
             elif kind == "settle":
-                _, dataset, reserved, billed, cost, provider, outcome, drift = op
-                self.settles += 1
-                self.budget.settle(dataset, reserved, billed, cost)
-                self.health.record(provider, outcome, billed=billed, cost=cost, drift=drift)
-                results.append(None)
+                results.append(self.settle(*op[1:]))
             elif kind == "release":
-                _, dataset, reserved, provider, outcome = op
-                self.budget.release(dataset, reserved)
-                self.health.record(provider, outcome)
-                results.append(None)
+                results.append(self.release(*op[1:]))
             else:
                 raise ValueError(f"unknown ledger op {kind!r}")
         return results, self.health.excluded
+
+    def settle(self, dataset: str, reserved: int, billed: int, cost: float, provider: str, outcome: Outcome,
+               drift: int | None) -> None:
+        self.settles += 1
+        self.budget.settle(dataset, reserved, billed, cost)
+        self.health.record(provider, outcome, billed=billed, cost=cost, drift=drift)
+
+    def release(self, dataset: str, reserved: int, provider: str, outcome: Outcome) -> None:
+        self.budget.release(dataset, reserved)
+        self.health.record(provider, outcome)
 
     def restore(self, spent_by_dataset: Mapping[str, int], cost_by_dataset: Mapping[str, float] | None = None) -> None:
         self.budget.restore(spent_by_dataset, cost_by_dataset)

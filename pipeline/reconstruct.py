@@ -107,11 +107,10 @@ def _padded(profile: Profile, reasoning: str, content: str, c: Completion, think
 def response_segments(profile: Profile, c: Completion, thinking: bool, reading: Reading) -> list[str | int]:
     """The response as text segments and special ids, in order, for one reading."""
     reasoning, content = c.reasoning or "", c.content or ""
-    thinking = thinking or bool(reasoning)
     if reading.pad:
         reasoning, content = _padded(profile, reasoning, content, c, reading.think_end)
     segs: list[str | int] = []
-    if thinking and reasoning:
+    if reasoning:
         segs.append(reasoning)
     if reading.think_end:
         segs.append(profile.think_end_id)
@@ -212,6 +211,7 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
     text_mismatch = 0
     failures: list[dict[str, Any]] = []
     with_tools = with_reasoning = with_markers = with_think_end = truncated = 0
+    canonical_markers = canonical_think_end = 0
     for s in samples:
         ids = [int(i) for i in s["output_ids"]]
         thinking = bool(s.get("thinking", True))
@@ -234,8 +234,11 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
         exact_canonical += ok and is_canonical
         readings_used[rebuilt.reading] += 1
         with_tools += bool(completion.tool_calls)
-        with_markers += any(i in profile.tool_marker_ids for i in ids)
+        has_markers = any(i in profile.tool_marker_ids for i in ids)
+        with_markers += has_markers
         with_think_end += profile.think_end_id in ids
+        canonical_markers += is_canonical and has_markers
+        canonical_think_end += is_canonical and profile.think_end_id in ids
         with_reasoning += bool(completion.reasoning)
         truncated += rebuilt.truncated
         if is_canonical and not ok and len(failures) < max_examples:
@@ -255,6 +258,8 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
         "with_tool_calls": with_tools,
         "with_tool_markers": with_markers,
         "with_think_end": with_think_end,
+        "canonical_with_tool_markers": canonical_markers,
+        "canonical_with_think_end": canonical_think_end,
         "with_reasoning": with_reasoning,
         "truncated": truncated,
         "engine_text_differs_from_decode": text_mismatch,

@@ -256,6 +256,17 @@ def assign_sources(batch: Any, router: Router, overrides: Mapping[str, str] | No
     return rows_to_table(rows)
 
 
+def close_unserved(batch: Any) -> Any:
+    """Ray Data map at the end of the chain: an ok row no stage generated is quarantined, never written empty."""
+    from pipeline.stages import batch_to_rows, mark, rows_to_table
+
+    rows = batch_to_rows(batch)
+    for r in rows:
+        if r["status"] == "ok" and r.get("output_ids") is None:
+            mark(r, "quarantine", "generate", f"route: no stage in the chain served source {r.get('source')!r}")
+    return rows_to_table(rows)
+
+
 def reroute_overrides(rows: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     """sample id -> source for rows a pass left in status ``reroute`` (their target came earlier in the chain)."""
     return {str(r["sample_id"]): str(r["source"]) for r in rows if r.get("status") == "reroute"}
@@ -361,3 +372,27 @@ def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Map
     return ds.map_batches(cls, fn_constructor_args=(model_dir, profile, dict(sampling), cfg, src.name, router),
                           batch_size=batch, batch_format="pyarrow", compute=compute,
                           **engine_resources(cfg, ray_tp=src.kind == "vllm"))
+
+
+def map_routed(ds: Any, sources: Sequence[Any], *, model_dir: str, profile: str, sampling: Mapping[str, Any],
+               router: Router, ledgers: Mapping[str, Any] | None = None,
+               overrides: Mapping[str, str] | None = None) -> Any:
+    """Rendered rows in, generated rows out: assign each row its source, then every source stage in config order.
+
+    HTTP sources without a ledger in ``ledgers`` get a fresh one. Rows a pass leaves in status ``reroute`` go
+    to the next pass with ``overrides=reroute_overrides(rows)``.
+    """
+    ledgers = dict(ledgers or {})
+    ds = ds.map_batches(assign_sources, fn_kwargs={"router": router, "overrides": dict(overrides or {})},
+                        batch_format="pyarrow", num_cpus=0)
+    for src in sources:
+        ledger = None
+        if src.kind in API_KINDS:
+            if src.name not in ledgers:
+                from pipeline.sources.openrouter import ledger_for
+
+                ledgers[src.name] = ledger_for(src)
+            ledger = ledgers[src.name]
+        ds = map_source(ds, src, model_dir=model_dir, profile=profile, sampling=sampling, router=router,
+                        ledger=ledger)
+    return ds.map_batches(close_unserved, batch_format="pyarrow", num_cpus=0)

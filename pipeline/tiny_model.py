@@ -71,6 +71,9 @@ def tiny_config() -> dict:
         "pad_token_id": PAD_ID,
         "torch_dtype": "float32",
         "initializer_range": 0.02,
+        # Written by this builder, not by an old transformers: without it, transformers 5 mistakes
+        # the DeepSeek pre-tokenizer for Mistral's broken regex and warns on every load.
+        "transformers_version": "5.0.0",
     }
 
 

@@ -91,6 +91,7 @@ def test_budget_never_exceeded(budget, max_tokens, bills):
 
 def test_health_excludes_on_error_rate():
     h = ProviderHealth(HealthPolicy(window=10, min_requests=10, max_error_rate=0.5, max_invalid_rate=0.3))
+    h.record("B", "ok")
     for i in range(9):
         assert h.record("A", "error" if i % 2 else "ok") is None
     assert h.excluded == ()
@@ -104,6 +105,7 @@ def test_health_excludes_on_validation_failures_and_ignores_neutral():
     h = ProviderHealth(HealthPolicy(window=20, min_requests=5, max_invalid_rate=0.2))
     for _ in range(50):
         h.record("B", "neutral")  # 429s and routing errors say nothing about B
+    h.record("C", "ok")
     h.record("A", "ok", billed=10, cost=0.5, drift=0)
     for _ in range(4):
         h.record("A", "invalid", billed=10, drift=40)
@@ -112,6 +114,20 @@ def test_health_excludes_on_validation_failures_and_ignores_neutral():
     assert rep["A"]["completion_tokens"] == 50 and rep["A"]["cost"] == 0.5
     assert rep["A"]["mean_abs_billing_drift"] == 32
     assert rep["B"]["requests"] == 0 and not rep["B"]["excluded"]
+
+
+def test_health_never_routes_around_the_last_provider():
+    h = ProviderHealth(HealthPolicy(window=5, min_requests=5))
+    for _ in range(10):
+        h.record("A", "error")
+    assert h.excluded == ()  # alone: excluding it would leave nothing to serve
+    for _ in range(10):
+        h.record("B", "ok")
+        h.record("A", "error")
+    assert h.excluded == ("A",)
+    for _ in range(10):
+        h.record("B", "error")
+    assert h.excluded == ("A",)
 
 
 def test_ledger_apply_batches_ops_and_reports():

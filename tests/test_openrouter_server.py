@@ -23,24 +23,15 @@ from pipeline.openrouter_server import (
 from pipeline.profiles import load_profile
 from pipeline.profiles.base import Completion
 from pipeline.reconstruct import rebuild_ids
-from pipeline.sources.http_wire import normalize_for_profile
 
 KEY_ENV = "OPENROUTER_TEST_SERVER_KEY"
 KEY = "sk-or-v1-servertest-0123456789abcdef"
 os.environ.setdefault(KEY_ENV, KEY)
 
 
-@pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory):
-    from pipeline.tiny_model import build_tiny_target
-
-    # A fixed folder under the session's base temp: built once however many modules ask.
-    return str(build_tiny_target(tmp_path_factory.getbasetemp() / "openrouter_tiny"))
-
-
 @pytest.fixture(scope="module")
-def hf_backend(tiny_target_dir):
-    be = TransformersBackend(tiny_target_dir)
+def hf_backend(tiny_target):
+    be = TransformersBackend(str(tiny_target))
     yield be
     be.close()
 
@@ -100,8 +91,8 @@ def test_official_sdk_parses_responses_and_generation_stats(hf_backend):
         err = client.chat.send(model="tiny", messages=[{"role": "user", "content": "x [[fault:always-200-error]]"}],
                                max_tokens=4)
         assert err.choices[0].finish_reason == "error"
-        empty = client.chat.send(model="tiny", messages=[{"role": "user", "content": "x [[fault:always-empty-choices]]"}],
-                                 max_tokens=4)
+        empty = client.chat.send(model="tiny", max_tokens=4,
+                                 messages=[{"role": "user", "content": "x [[fault:always-empty-choices]]"}])
         assert empty.choices == []
 
 
@@ -115,7 +106,7 @@ def test_usage_is_counted_by_the_real_tokenizer_and_rebuild_matches(hf_backend):
         g = split_generated(p, ids, True, tools_sent=False, prompt_tokens=len(rendered.ids))
         assert g.completion_tokens == len(ids) and g.prompt_tokens == len(rendered.ids)
         assert g.reasoning_tokens == (ids.index(p.think_end_id) if p.think_end_id in ids else len(ids))
-        c = normalize_for_profile(Completion(g.reasoning, g.content, g.tool_calls, g.finish_reason), p, True)
+        c = Completion(g.reasoning, g.content, g.tool_calls, g.finish_reason, g.completion_tokens)
         rebuilt = rebuild_ids(p, c, True).ids
         if p.encode(p.decode(ids)) == ids:
             assert rebuilt == ids

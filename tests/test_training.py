@@ -18,9 +18,9 @@ from training.data import Batch, batches, collate, pack_rows, to_sample
 from training.export import export_draft, load_exported
 from training.loss import shift_left, soft_cross_entropy, step_view, ttt_forward, unroll
 from training.model import Eagle3Drafter
-from training.simulate import simulate_acceptance, walk_acceptance
+from training.simulate import walk_acceptance
 from training.target import greedy_ids, load_target_parts
-from training.testing import generated_rows, random_prompts, torch_threads
+from training.testing import easy_run, generated_rows, random_prompts, torch_threads
 from training.train import cosine_with_warmup, prepare_drafter, train_drafter, train_loop
 from training.ttt_attention import StepKVCache, cached_step_attention, step0_mask
 from training.vocab import build_vocab_mapping, count_loss_masked_tokens, mapping_from_ids, select_draft_ids
@@ -256,12 +256,9 @@ def test_rows_are_validated_truncated_and_packed():
 
 
 @pytest.fixture(scope="module")
-def greedy_data(tiny_target: Path):
-    """The tiny target's own greedy continuations (train and held-out prompts)."""
-    train = random_prompts(96, PROMPT_IDS[1], (8, 24), seed=1)
-    held = random_prompts(12, PROMPT_IDS[1], (8, 24), seed=2)
-    rows = generated_rows(tiny_target, train + held, 48, AUX_IDS)
-    return rows[: len(train)], rows[len(train):]
+def tiny_rows(tiny_target: Path):
+    """The pipeline's tiny target (129k vocab): its own greedy continuations of random prompts."""
+    return generated_rows(tiny_target, random_prompts(40, PROMPT_IDS[1], (8, 24), seed=1), 32, AUX_IDS)
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +266,8 @@ def target_parts(tiny_target: Path):
     return load_target_parts(tiny_target)
 
 
-def test_generated_rows_follow_the_contract(greedy_data, target_parts):
-    row = greedy_data[0][0]
+def test_generated_rows_follow_the_contract(tiny_rows, target_parts):
+    row = tiny_rows[0]
     t = len(row["input_ids"])
     h = target_parts.hidden_size
     assert row["aux_hidden"].shape == (t, 3 * h) and row["final_hidden"].shape == (t, h)
@@ -280,9 +277,9 @@ def test_generated_rows_follow_the_contract(greedy_data, target_parts):
     assert (nxt[:-1][m[1:]] == row["input_ids"][1:][m[1:]]).mean() > 0.95
 
 
-def test_export_load_roundtrip(tmp_path, tiny_target, target_parts, greedy_data):
+def test_export_load_roundtrip(tmp_path, tiny_target, target_parts, tiny_rows):
     cfg = DraftTrainConfig(draft_vocab_size=512, aux_layer_ids=AUX_IDS)
-    vocab = build_vocab_mapping(greedy_data[0], target_parts.vocab_size, cfg.draft_vocab_size)
+    vocab = build_vocab_mapping(tiny_rows, target_parts.vocab_size, cfg.draft_vocab_size)
     drafter = prepare_drafter(cfg, target_parts, vocab)
     with torch.no_grad():
         drafter.fc.weight.normal_()
@@ -320,8 +317,8 @@ def small_cfg(**kw) -> DraftTrainConfig:
     return DraftTrainConfig(**{**base, **kw})
 
 
-def test_resume_after_interruption_matches_uninterrupted(tmp_path, tiny_target, target_parts, greedy_data):
-    rows = greedy_data[0][:40]
+def test_resume_after_interruption_matches_uninterrupted(tmp_path, tiny_target, target_parts, tiny_rows):
+    rows = tiny_rows
     cfg = small_cfg()
     vocab = build_vocab_mapping(rows, target_parts.vocab_size, cfg.draft_vocab_size)
     full, _ = train_loop(cfg, tiny_target, tmp_path / "full", lambda e: rows, vocab)
@@ -348,22 +345,18 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path, tiny_target, 
 
 
 @pytest.mark.slow
-def test_training_improves_simulated_acceptance(tmp_path, tiny_target, target_parts, greedy_data):
-    train_rows, held = greedy_data
-    cfg = small_cfg(steps=60, batch_tokens=2048, max_len=256, ttt_steps=3, lr=3e-3, warmup_steps=5,
-                    checkpoint_every=1000, log_every=20)
-    vocab = build_vocab_mapping(train_rows, target_parts.vocab_size, cfg.draft_vocab_size)
-    untrained = simulate_acceptance(prepare_drafter(cfg, target_parts, vocab), held, target_parts.lm_head, k=3)
-    drafter, metrics = train_loop(cfg, tiny_target, tmp_path, lambda e: train_rows, vocab)
-    trained = simulate_acceptance(drafter, held, target_parts.lm_head, k=3)
-    assert metrics["acc_0"] > 0.3
-    assert trained.acceptance_length >= untrained.acceptance_length + 0.3, (untrained, trained)
-    assert trained.per_position[0] >= trained.per_position[1] >= trained.per_position[2]
+def test_training_improves_simulated_acceptance():
+    run = easy_run()  # 60 steps on a 1000-token target's greedy outputs (shared with the vLLM test)
+    assert run.metrics["acc_0"] > 0.25
+    # measured 1.00 -> ~1.4 (k=3) on held-out prompts
+    assert run.untrained.acceptance_length < 1.05
+    assert run.trained.acceptance_length >= run.untrained.acceptance_length + 0.2, (run.untrained, run.trained)
+    assert run.trained.per_position[0] >= run.trained.per_position[1] >= run.trained.per_position[2]
 
 
 @pytest.mark.slow
-def test_ray_train_restarts_killed_worker_from_checkpoint(tmp_path, ray_session, tiny_target, target_parts, greedy_data):
-    rows = greedy_data[0][:40]
+def test_ray_train_restarts_killed_worker_from_checkpoint(tmp_path, ray_session, tiny_target, target_parts, tiny_rows):
+    rows = tiny_rows
     cfg = small_cfg(max_failures=1)
     vocab = build_vocab_mapping(rows, target_parts.vocab_size, cfg.draft_vocab_size)
     result = train_drafter(rows, cfg, tiny_target, tmp_path / "ray", crash_at_step=5)

@@ -82,7 +82,8 @@ def run_prompts(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[li
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
@@ -157,7 +158,8 @@ def format_report(report: dict) -> str:
         f"spec decode {spec['tokens_per_s']:.1f} tok/s",
     ]
     if "target_only" in report:
-        lines.append(f"target alone {report['target_only']['tokens_per_s']:.1f} tok/s  speedup {report['speedup']:.2f}x  "
+        base = report["target_only"]["tokens_per_s"]
+        lines.append(f"target alone {base:.1f} tok/s  speedup {report['speedup']:.2f}x  "
                      f"identical outputs {report['identical_outputs']:.0%}")
     return "\n".join(lines)
 

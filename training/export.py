@@ -94,7 +94,8 @@ def load_exported(export_dir: str | Path, target_dir: str | Path | None = None) 
     config.target_hidden_size = raw["target_hidden_size"]
     config.eagle_aux_hidden_state_layer_ids = raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     drafter = Eagle3Drafter(config)
-    tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(export_dir / "model.safetensors")).items()}
+    raw_tensors = load_file(str(export_dir / "model.safetensors"))
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in raw_tensors.items()}
     if "d2t" not in tensors:  # identity mapping (full vocab)
         tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
         tensors["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)

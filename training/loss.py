@@ -55,9 +55,11 @@ def soft_cross_entropy(target_probs: torch.Tensor, logits: torch.Tensor, mask: t
 
 
 def teacher_probs(final_hidden: torch.Tensor, lm_head_draft: torch.Tensor) -> torch.Tensor:
-    """Target distribution restricted to the draft vocab: softmax over lm_head[draft ids] logits."""
-    logits = final_hidden.float() @ lm_head_draft.float().T
-    return torch.softmax(logits, dim=-1)
+    """Target distribution restricted to the draft vocab: softmax over lm_head[draft ids] logits
+    (float32 even under bf16 autocast: the teacher should not lose precision)."""
+    with torch.autocast(final_hidden.device.type, enabled=False):
+        logits = final_hidden.float() @ lm_head_draft.float().T
+        return torch.softmax(logits, dim=-1)
 
 
 @dataclass
@@ -82,7 +84,9 @@ def step_view(batch: Batch, in_draft: torch.Tensor, k: int) -> StepView:
     )
 
 
-def unroll(model: Eagle3Drafter, batch: Batch, in_draft: torch.Tensor, ttt_steps: int) -> Iterator[tuple[StepView, torch.Tensor]]:
+def unroll(
+    model: Eagle3Drafter, batch: Batch, in_draft: torch.Tensor, ttt_steps: int
+) -> Iterator[tuple[StepView, torch.Tensor]]:
     """Yield (view, draft logits) for steps 0..ttt_steps-1, feeding each step's pre-norm output
     back as the next step's hidden state (gradients flow through the whole unroll)."""
     mask0 = step0_mask(batch.doc_ids)

@@ -6,8 +6,13 @@ input of decoder layer i), so tests exercise the same code path as pipeline-prod
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -125,3 +130,46 @@ def generated_rows(
     ids = [list(p) + r for p, r in zip(prompts, responses, strict=True)]
     masks = [[0] * len(p) + [1] * len(r) for p, r in zip(prompts, responses, strict=True)]
     return rows_from_target(model_dir, ids, masks, aux_layer_ids, model=model)
+
+
+@dataclass
+class EasyRun:
+    """A trained drafter on `build_tiny_llama`'s target, shared by the test modules of a session."""
+
+    target_dir: Path
+    train_rows: list[dict]
+    held_rows: list[dict]
+    cfg: object  # DraftTrainConfig
+    drafter: object  # Eagle3Drafter
+    untrained: object  # AcceptanceStats on held_rows
+    trained: object  # AcceptanceStats on held_rows
+    metrics: dict
+
+
+@functools.cache
+def easy_run(steps: int = 60, k: int = 3) -> EasyRun:
+    """Generate greedy data on the easy target, train in-process, simulate acceptance (cached per
+    process, so a pytest session trains once however many test modules ask)."""
+    from training.config import DraftTrainConfig
+    from training.simulate import simulate_acceptance
+    from training.target import load_target_parts
+    from training.train import prepare_drafter, train_loop
+    from training.vocab import build_vocab_mapping
+
+    root = Path(tempfile.mkdtemp(prefix="easy_drafter_"))
+    atexit.register(shutil.rmtree, root, True)
+    with torch_threads(1):
+        target = build_tiny_llama(root / "target")
+        train_prompts = random_prompts(480, TINY_TARGET["vocab_size"], (8, 24), seed=11)
+        held_prompts = random_prompts(24, TINY_TARGET["vocab_size"], (8, 24), seed=12)
+        rows = generated_rows(target, train_prompts + held_prompts, 48, TINY_AUX_LAYER_IDS)
+        train_rows, held = rows[: len(train_prompts)], rows[len(train_prompts):]
+        cfg = DraftTrainConfig(steps=steps, batch_tokens=2048, max_len=256, draft_vocab_size=512,
+                               aux_layer_ids=TINY_AUX_LAYER_IDS, ttt_steps=3, lr=3e-3, warmup_steps=5,
+                               checkpoint_every=10_000, log_every=20)
+        parts = load_target_parts(target)
+        vocab = build_vocab_mapping(train_rows, parts.vocab_size, cfg.draft_vocab_size)
+        untrained = simulate_acceptance(prepare_drafter(cfg, parts, vocab), held, parts.lm_head, k=k)
+        drafter, metrics = train_loop(cfg, target, root / "run", lambda epoch: train_rows, vocab)
+        trained = simulate_acceptance(drafter, held, parts.lm_head, k=k)
+    return EasyRun(target, train_rows, held, cfg, drafter, untrained, trained, metrics)

@@ -100,14 +100,18 @@ class TargetIdsCache:
         return to_sample(row, max_len, compute)
 
 
-def epoch_batches(rows_fn: RowsFn, epoch: int, cfg: DraftTrainConfig, targets: TargetIdsCache, rank: int) -> Iterator[Batch]:
+def epoch_batches(
+    rows_fn: RowsFn, epoch: int, cfg: DraftTrainConfig, targets: TargetIdsCache, rank: int
+) -> Iterator[Batch]:
     """Deterministic packed batches of one epoch of this worker's shard."""
     seed = (cfg.seed * 1_000_003 + epoch) * 997 + rank
     rows = shuffled(rows_fn(epoch), cfg.shuffle_buffer, seed)
     return batches((targets.sample(r, cfg.max_len) for r in rows), cfg.batch_tokens, cfg.max_len)
 
 
-def batch_stream(rows_fn: RowsFn, cfg: DraftTrainConfig, targets: TargetIdsCache, state: LoopState, rank: int) -> Iterator[tuple[int, int, Batch]]:
+def batch_stream(
+    rows_fn: RowsFn, cfg: DraftTrainConfig, targets: TargetIdsCache, state: LoopState, rank: int
+) -> Iterator[tuple[int, int, Batch]]:
     """Endless (epoch, batch index, batch) stream starting at the recorded data position."""
     epoch, skip = state.epoch, state.batch_in_epoch
     while True:
@@ -120,7 +124,9 @@ def batch_stream(rows_fn: RowsFn, cfg: DraftTrainConfig, targets: TargetIdsCache
         epoch, skip = epoch + 1, 0
 
 
-def _step_metrics(step: int, out: TTTOutput, lr: float, grad_norm: float, tokens: int, seconds: float, epoch: int) -> dict:
+def _step_metrics(
+    step: int, out: TTTOutput, lr: float, grad_norm: float, tokens: int, seconds: float, epoch: int
+) -> dict:
     m = {"step": step, "epoch": epoch, "loss": float(out.loss.detach()), "lr": lr,
          "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9)}
     for k, (lk, ak) in enumerate(zip(out.step_losses, out.step_accs, strict=True)):
@@ -243,7 +249,13 @@ def _ray_worker(config: dict) -> None:
 
     def after_step(step: int) -> None:
         if crash_at is not None and resumed is None and step == crash_at:
-            os._exit(1)  # simulate a killed worker (tests only)
+            # Simulate a killed worker (tests only). The controller registers reported checkpoints
+            # when it polls the workers (every ~2 s), so wait for the last one to be committed:
+            # otherwise the restart could legitimately begin from an earlier checkpoint.
+            last = step - step % cfg.checkpoint_every
+            if last and rank == 0:
+                _wait_for_committed(Path(config["out_dir"]) / "ray" / RUN_NAME, f"step_{last:07d}")
+            os._exit(1)
 
     common = dict(checkpoint_sink=sink, device=ray.train.torch.get_device(), rank=rank,
                   world_size=world, after_step=after_step)
@@ -256,6 +268,17 @@ def _ray_worker(config: dict) -> None:
             for f in Path(ckpt_dir).iterdir():
                 (local / f.name).write_bytes(f.read_bytes())
         train_loop(cfg, config["target_dir"], config["out_dir"], rows_fn, vocab, resume_from=local, **common)
+
+
+def _wait_for_committed(run_dir: Path, checkpoint_name: str, timeout_s: float = 120.0) -> None:
+    """Block until Ray Train's checkpoint-manager snapshot lists `checkpoint_name`."""
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if snapshot.exists() and checkpoint_name in snapshot.read_text():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{checkpoint_name} was not committed in {snapshot}")
 
 
 def as_dataset(dataset_or_rows):

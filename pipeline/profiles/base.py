@@ -127,6 +127,10 @@ class Profile(ABC):
     ) -> RenderedPrompt:
         """The built-in layout of the conversation, ending in an open assistant turn."""
 
+    def template_extra(self, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """Variables the engine adds for this family before rendering its chat template."""
+        return {}
+
     def prompt_opens_reasoning(self, prompt_ids: list[int]) -> bool:
         """Whether a prompt leaves the model inside ``<think>`` (its last start after its last end)."""
         last_start = max((i for i, t in enumerate(prompt_ids) if t == self.think_start_id), default=-1)

@@ -63,7 +63,7 @@ def render_template_prompt(
     def ids(msgs: list[dict[str, Any]], gen: bool) -> list[int]:
         text = render_template_text(
             profile.chat_template, msgs, tools, thinking=thinking, add_generation_prompt=gen,
-            template_vars=profile.template_vars,
+            template_vars={**profile.template_vars, **profile.template_extra(tools)},
         )
         return profile.encode(text)
 

@@ -1,7 +1,8 @@
 """Kimi-K2.5: tiktoken ``tiktoken.model`` with Kimi's pre-tokenizer and special tokens at Kimi's ids.
 
 Layout (chat-formats.md): turns ``<|im_ROLE|>NAME<|im_middle|>BODY<|im_end|>``; a
-``tool_declare`` system turn first when tools are sent, then the default system
+``tool_declare`` system turn first when tools are sent (TypeScript-style, as
+K2.5's tokenizer writes it: see kimi_tools.py), then the default system
 prompt unless the conversation brings one. A thinking turn opens with
 ``<|im_assistant|>assistant<|im_middle|><think>`` and the model writes
 ``REASONING</think>CONTENT[<|tool_calls_section_begin|>...<|tool_calls_section_end|>]<|im_end|>``;
@@ -27,6 +28,7 @@ from typing import Any
 
 from pipeline.profiles.base import Profile, RenderedPrompt, call_arguments, message_text, tool_call, tool_function
 from pipeline.profiles.chat_template import encode_segments, folder_chat_template
+from pipeline.profiles.kimi_tools import tools_typescript
 from pipeline.profiles.qwen3 import qwen_rank_file
 from pipeline.profiles.tokenizers import TiktokenTokenizer, load_tiktoken_ranks
 
@@ -112,8 +114,9 @@ class KimiProfile(Profile):
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool
     ) -> RenderedPrompt:
         segs: list[tuple[str, bool]] = []
-        if tools:
-            decl = json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
+        decl = tools_typescript(tools) if tools else ""
+        if tools:  # K2.5 engines declare tools in TypeScript style (compact JSON only when none are functions)
+            decl = decl or json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
             segs.append((f"{IM_SYSTEM}tool_declare{IM_MIDDLE}{decl}{IM_END}", False))
         if not messages or messages[0]["role"] != "system":
             segs.append((f"{IM_SYSTEM}system{IM_MIDDLE}{DEFAULT_SYSTEM}{IM_END}", False))
@@ -140,6 +143,11 @@ class KimiProfile(Profile):
         segs.append((f"{IM_ASSISTANT}assistant{IM_MIDDLE}" + (THINK if thinking else THINK + THINK_END), False))
         ids, mask = encode_segments(self.encode, segs)
         return RenderedPrompt(ids=ids, assistant_mask=mask, thinking=thinking)
+
+    def template_extra(self, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """K2.5's tokenizer hands its template the TypeScript declaration as ``tools_ts_str``."""
+        text = tools_typescript(tools)
+        return {"tools_ts_str": text} if text else {}
 
     def render_tool_calls(self, tool_calls: list[dict[str, Any]]) -> str:
         calls = "".join(

@@ -35,15 +35,17 @@ def _kimi_logger_names() -> set[str]:
 def silence_kimi_encode_warning(target: Any = None) -> list[logging.Logger]:
     """Attach the filter (once) to Kimi's tokenizer logger and return the loggers it sits on.
 
-    ``target`` is a loaded tokenizer (its class's module names the logger), a
-    logger name, or None for every ``*.tokenization_kimi`` module loaded so far.
+    ``target`` is a loaded Kimi tokenizer (its class's module names the logger),
+    a logger name, or None (or any other object) for every ``*.tokenization_kimi``
+    module loaded in this process so far. Filters are per process: call it where
+    the tokenizer runs (an engine's worker or front-end process) after it loads.
     """
-    if target is None:
-        names = _kimi_logger_names()
-    elif isinstance(target, str):
+    if isinstance(target, str):
         names = {target}
-    else:
+    elif target is not None and type(target).__module__.split(".")[-1] == KIMI_TOKENIZER_MODULE:
         names = {type(target).__module__}
+    else:  # None, or a wrapper (an engine's tokenizer pool): every Kimi tokenizer module loaded here
+        names = _kimi_logger_names()
     loggers = []
     for name in sorted(names):
         logger = logging.getLogger(name)

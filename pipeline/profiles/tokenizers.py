@@ -45,6 +45,11 @@ class HFTokenizer:
     def added_tokens(self) -> dict[str, int]:
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
 
+    def normalize(self, text: str) -> str:
+        """The text that decoding this tokenizer's encoding of ``text`` gives back (its normalizer applied)."""
+        norm = self._tok.normalizer
+        return norm.normalize_str(text) if norm is not None else text
+
 
 def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
     """A tiktoken rank file: one ``base64(token) rank`` pair per line."""

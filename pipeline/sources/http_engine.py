@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.config import ChecksConfig, SamplingConfig
+from pipeline.config import SamplingConfig
 from pipeline.ledger import Outcome
 from pipeline.profiles.base import Profile
 from pipeline.reconstruct import rebuild_ids
@@ -34,11 +34,11 @@ from pipeline.sources.http_wire import (
     billing_drift,
     build_request,
     drift_exceeds,
+    dumps,
     interpret,
-    normalize_for_profile,
+    loads,
     redact,
 )
-from pipeline.validate import check_structure
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,6 @@ class HttpEngine:
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
         self.rng = rng or random.Random()
         self.sampling_json = json.dumps(self.opts.sampling(), sort_keys=True)
-        self._checks = ChecksConfig()
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -117,7 +116,7 @@ class HttpEngine:
                 headers["Authorization"] = "Bearer " + self._key.get()
             timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s)
             self._session = aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout,
-                                                  json_serialize=json.dumps, raise_for_status=False)
+                                                  raise_for_status=False)
             self._loop = loop
             self._slots = asyncio.Semaphore(self.cfg.max_in_flight)
         return self._session
@@ -138,9 +137,9 @@ class HttpEngine:
         session = await self._ensure_session()
         assert self._slots is not None
         dataset = str(row["dataset"])
-        messages = json.loads(row["messages"]) if isinstance(row["messages"], str) else row["messages"]
+        messages = loads(row["messages"]) if isinstance(row["messages"], str) else row["messages"]
         tools_raw = row.get("tools") or ""
-        tools = json.loads(tools_raw) if isinstance(tools_raw, str) and tools_raw else (tools_raw or None)
+        tools = loads(tools_raw) if isinstance(tools_raw, str) and tools_raw else (tools_raw or None)
         thinking = bool(row.get("thinking"))
         last: Failure | None = None
         attempts = 0
@@ -153,7 +152,7 @@ class HttpEngine:
                 decision = await self.ledger.reserve(dataset, self.opts.max_tokens)
                 if decision == "granted":
                     attempts += 1
-                    attempt = await self._attempt(session, row, messages, tools, thinking, dataset)
+                    attempt = await self._attempt(session, messages, tools, thinking, dataset)
             if decision == "exhausted":
                 self._exhausted.add(dataset)
                 return self._not_generated(row, attempts, last)
@@ -173,7 +172,7 @@ class HttpEngine:
                                           max_retry_after=self.cfg.max_retry_after_s))
         return self._quarantined(row, attempts, last)
 
-    async def _attempt(self, session: aiohttp.ClientSession, row: dict[str, Any], messages: list[dict[str, Any]],
+    async def _attempt(self, session: aiohttp.ClientSession, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None, thinking: bool, dataset: str) -> _Attempt:
         """One request under a granted reservation; settles or releases it exactly once."""
         reserved = self.opts.max_tokens
@@ -181,7 +180,7 @@ class HttpEngine:
         self.stats["requests"] += 1
         t0 = time.perf_counter()
         try:
-            async with session.post(self.url, json=body) as resp:
+            async with session.post(self.url, data=dumps(body)) as resp:
                 raw = await resp.read()
                 result = interpret(resp.status, raw, resp.headers.get("Retry-After"))
         except TimeoutError:
@@ -207,17 +206,19 @@ class HttpEngine:
         billed = reply.billed
         # No usage at all: charge the whole reservation rather than risk under-counting spend.
         charge = billed if billed >= 0 else reserved
+        completion = reply.completion
         try:
-            completion = normalize_for_profile(reply.completion, self.profile, thinking)
             rebuilt = rebuild_ids(self.profile, completion, thinking)
         except Exception as e:  # noqa: BLE001 - a response we cannot rebuild is that provider's fault
             await self.ledger.settle(dataset, reserved, charge, reply.cost, reply.provider, "invalid", None)
             return _Attempt(None, Failure("body", f"cannot rebuild ids: {type(e).__name__}: {e}", True,
                                           200, None, reply.provider), seconds)
         drift = billing_drift(len(rebuilt.ids), billed)
-        probe = {"output_ids": rebuilt.ids, "truncated": rebuilt.truncated, "thinking": thinking}
+        # Only what a faithful deployment of the target cannot produce counts against the provider;
+        # what the model itself may write (odd tool sections, loops) is the validation stage's business.
+        forbidden = self.profile.forbidden_output_ids
         invalid = drift_exceeds(drift, billed, self.cfg.billing_abs_threshold, self.cfg.billing_rel_threshold) \
-            or check_structure(probe, self.profile, self._checks) is not None
+            or not forbidden.isdisjoint(rebuilt.ids)
         await self.ledger.settle(dataset, reserved, charge, reply.cost, reply.provider,
                                  "invalid" if invalid else "ok", drift)
         reply = Reply(completion, reply.generation_id, reply.provider, reply.model, billed, reply.cost,

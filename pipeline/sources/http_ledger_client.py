@@ -45,7 +45,7 @@ class _OpsClient:
 
 
 class LocalLedgerClient(_OpsClient):
-    """An in-process ledger (single process, tests, benchmarks)."""
+    """An in-process ledger (single process, tests, benchmarks): direct calls, no op batching."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
@@ -53,6 +53,18 @@ class LocalLedgerClient(_OpsClient):
     async def _submit(self, op: Op) -> Any:
         results, self.excluded = self.ledger.apply([op])
         return results[0]
+
+    async def reserve(self, dataset: str, tokens: int) -> Decision:
+        return self.ledger.budget.reserve(dataset, tokens)
+
+    async def settle(self, dataset: str, reserved: int, billed: int, cost: float, provider: str,
+                     outcome: Outcome, drift: int | None) -> None:
+        self.ledger.settle(dataset, reserved, billed, cost, provider, outcome, drift)
+        self.excluded = self.ledger.health.excluded
+
+    async def release(self, dataset: str, reserved: int, provider: str, outcome: Outcome) -> None:
+        self.ledger.release(dataset, reserved, provider, outcome)
+        self.excluded = self.ledger.health.excluded
 
 
 class RayLedgerClient(_OpsClient):

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.profiles.base import Completion, Profile
+from pipeline.profiles.base import Completion
+from pipeline.reconstruct import completion_from_message as _shared_completion
 
 # Statuses worth another try: the request was fine, the serving side was not (yet).
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504, 524, 529})
@@ -29,6 +30,21 @@ NEUTRAL_STATUS = frozenset({400, 401, 402, 403, 429, 503})
 NATIVE_ERRORS = frozenset({"error", "network_error", "internal_error", "server_error", "timeout"})
 
 REDACTED = "[REDACTED]"
+
+try:  # optional: a faster JSON codec where installed (same documents, fewer CPU cycles per request)
+    import orjson
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    loads = orjson.loads
+    JSONDecodeError: tuple[type[Exception], ...] = (orjson.JSONDecodeError, ValueError)
+except ImportError:  # pragma: no cover - exercised where orjson is absent
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj, ensure_ascii=False).encode()
+
+    loads = json.loads
+    JSONDecodeError = (ValueError,)
 
 
 @dataclass(frozen=True)
@@ -124,8 +140,8 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
     """Classify one HTTP answer. Leading whitespace padding before the JSON is tolerated."""
     retry_after = parse_retry_after(retry_after_header, now)
     try:
-        payload = json.loads(raw) if raw and raw.strip() else None
-    except (ValueError, UnicodeDecodeError) as e:
+        payload = loads(raw) if raw and raw.strip() else None
+    except (*JSONDecodeError, UnicodeDecodeError) as e:
         payload = None
         if status == 200:
             return Failure("body", f"response is not JSON ({e.__class__.__name__}: {_clip(str(e))})", True, 200)
@@ -157,7 +173,8 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
     message = choice.get("message")
     if not isinstance(message, dict):
         return Failure("in_band", "choice has no message", True, 200, retry_after, provider, max(billed, 0), cost)
-    completion = completion_from_message(message, str(finish or "stop"))
+    usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else None
+    completion = completion_from_message(message, str(finish or "stop"), usage)
     return Reply(completion, str(payload.get("id") or ""), provider, str(payload.get("model") or ""),
                  billed, cost, native)
 
@@ -201,16 +218,14 @@ def _clip(text: str, n: int = 500) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def completion_from_message(message: Mapping[str, Any], finish_reason: str) -> Completion:
-    """The API message as a Completion: ``reasoning`` (OpenRouter) or ``reasoning_content`` (vLLM, SGLang)."""
-    reasoning = message.get("reasoning")
-    if reasoning is None or reasoning == "":
-        reasoning = message.get("reasoning_content", reasoning)
-    calls = message.get("tool_calls") or None
-    if calls:
-        calls = [_norm_call(c, i) for i, c in enumerate(calls)]
-    return Completion(reasoning=reasoning, content=message.get("content"), tool_calls=calls,
-                      finish_reason=finish_reason)
+def completion_from_message(message: Mapping[str, Any], finish_reason: str,
+                            usage: Mapping[str, Any] | None = None) -> Completion:
+    """The shared reading of an API message (``reasoning`` or ``reasoning_content``, billed count),
+    with structured tool calls normalised to OpenAI's shape (arguments as a JSON string)."""
+    c = _shared_completion(dict(message), finish_reason, dict(usage) if usage else None)
+    if c.tool_calls:
+        c.tool_calls = [_norm_call(call, i) for i, call in enumerate(c.tool_calls)]
+    return c
 
 
 def _norm_call(call: Mapping[str, Any], i: int) -> dict[str, Any]:
@@ -222,33 +237,18 @@ def _norm_call(call: Mapping[str, Any], i: int) -> dict[str, Any]:
             "function": {"name": fn.get("name") or "", "arguments": args}}
 
 
-def normalize_for_profile(c: Completion, profile: Profile, thinking: bool) -> Completion:
-    """Undo the two ways servers report reasoning that the rebuild cannot see through.
-
-    A server without a reasoning parser leaves ``REASONING</think>CONTENT`` in
-    ``content``; a server with one reports an immediately closed thought as a
-    null ``reasoning``. Either way the prompt opened ``<think>``, so the model
-    wrote ``</think>`` unless it was cut off inside its reasoning.
-    """
-    if not thinking or c.reasoning is not None:
-        return c
-    content = c.content or ""
-    end = profile.think_end_text
-    if end in content:
-        reasoning, content = content.split(end, 1)
-        return Completion(reasoning, content, c.tool_calls, c.finish_reason)
-    if c.finish_reason == "length" and not c.tool_calls:
-        return Completion(content, "", None, c.finish_reason)
-    return Completion("", c.content, c.tool_calls, c.finish_reason)
-
-
 def billing_drift(n_rebuilt: int, billed: int) -> int | None:
     """Rebuilt ids minus billed completion tokens; None when nothing was billed."""
     return None if billed < 0 else n_rebuilt - billed
 
 
 def drift_exceeds(drift: int | None, billed: int, abs_threshold: int, rel_threshold: float) -> bool:
-    """Large both in tokens and relative to the response: a tokenizer off by one is not a fault."""
+    """Whether a sample's drift counts against its provider: large both in tokens and relative to the response.
+
+    Stricter than the validation stage's per-sample flag (either threshold): a
+    provider is routed around for serving something else, not for being off by
+    a token on short answers.
+    """
     if drift is None:
         return False
     return abs(drift) > abs_threshold and abs(drift) > rel_threshold * max(billed, 1)

@@ -191,6 +191,7 @@ class VLLMGenerator(EngineSource):
         return SamplingParams(
             temperature=s["temperature"], top_p=s["top_p"], max_tokens=self.max_new_tokens(prompt_len),
             seed=request_seed(sample_id, s["seed"]), skip_special_tokens=False,
+            detokenize=False,  # ids are the product; the profile splits them, so engine-side text is wasted CPU
         )
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:

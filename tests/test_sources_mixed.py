@@ -1,0 +1,119 @@
+"""One Ray Data run over two sources: the tiny target behind a vLLM CPU actor and behind the local
+OpenRouter-compatible server (transformers backend). Every prompt is served exactly once, by the source the
+router named (or, when that source fails, by the next one), and with greedy decoding the actor's ids equal
+those of the same engine called outside Ray (``tiny_llm``).
+
+Starts one vLLM engine (the actor) besides the session's ``tiny_llm``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import DatasetConfig, VLLMSourceConfig
+from pipeline.datasets import load_dataset
+from pipeline.openrouter_server import ServerConfig, TransformersBackend, serve_in_thread
+from pipeline.profiles import load_profile
+from pipeline.router import RoutingConfig, build_router, map_routed, reroute_overrides
+from pipeline.sources.http_config import OpenRouterSourceConfig
+from pipeline.stages import RenderPrompts
+
+pytestmark = pytest.mark.slow
+
+SAMPLING = {"temperature": 0.0, "top_p": 1.0, "max_tokens": 24, "seed": 0}
+FAULT = "[[fault:always-502]] Name three rivers in Europe."
+
+
+@pytest.fixture(scope="module")
+def api_url(tiny_target: Path):
+    backend = TransformersBackend(str(tiny_target))
+    with serve_in_thread(ServerConfig(), backend) as (url, _server):
+        yield url
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def mixed_run(repo_root: Path, tiny_target: Path, ray_session, api_url):
+    import ray.data
+
+    datasets = [DatasetConfig(name=n, path=str(repo_root / "data/prompts" / f"{n}.jsonl"), max_rows=k)
+                for n, k in (("chat", 8), ("tools", 3))]
+    prompts = [p for d in datasets for p in load_dataset(d)[0]]
+    sources = [
+        OpenRouterSourceConfig(name="api", base_url=api_url, model="tiny/deepseek-tiny", api_key_required=False,
+                               num_actors=1, num_cpus=0.25, batch_size=8, max_attempts=2, backoff_base_s=0.05,
+                               backoff_max_s=0.1),
+        VLLMSourceConfig(name="vllm-cpu", num_actors=1, num_cpus=1, batch_size=8, dtype="float32",
+                         max_model_len=2048),
+    ]
+    routing = RoutingConfig(tool_prompts_by_dataset={"tools": "exact_ids"})
+    router = build_router(sources, datasets, routing, len(prompts) + 1)
+    # A prompt the API always fails (502), addressed to the API first: it must end on vLLM, not in quarantine.
+    candidates = ({"sample_id": f"chat:{100 + i}:fault", "dataset": "chat", "row_index": 100 + i, "tools": "",
+                   "messages": json.dumps([{"role": "user", "content": FAULT}]), "thinking": True}
+                  for i in range(200))
+    fault = next(p for p in candidates if router.ranking(p) == ["api", "vllm-cpu"])
+    prompts.append(fault)
+
+    ds = ray.data.from_items(prompts, override_num_blocks=3)
+    ds = ds.map_batches(RenderPrompts, fn_constructor_args=("deepseek", str(tiny_target)), batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+    ds = map_routed(ds, sources, model_dir=str(tiny_target), profile="deepseek", sampling=SAMPLING, router=router)
+    rows = ds.take_all()
+    return prompts, router, fault, rows
+
+
+def direct(llm, prompt_ids: list[list[int]]) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=SAMPLING["max_tokens"], skip_special_tokens=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_every_prompt_is_served_once_by_its_routed_source(mixed_run):
+    prompts, router, fault, rows = mixed_run
+    assert sorted(r["sample_id"] for r in rows) == sorted(p["sample_id"] for p in prompts)
+    assert all(r["status"] == "ok" for r in rows), [(r["sample_id"], r["reason"]) for r in rows
+                                                     if r["status"] != "ok"]
+    assert reroute_overrides(rows) == {}
+    by_id = {r["sample_id"]: r for r in rows}
+    for p in prompts:
+        served = by_id[p["sample_id"]]["source"]
+        assert served == ("vllm-cpu" if p is fault else router.route(p))
+    assert by_id[fault["sample_id"]]["reason"].startswith("api: after 2 attempt(s)")
+    assert all(r["source"] == "vllm-cpu" for r in rows if r["dataset"] == "tools")  # exact ids only
+    assert {r["source"] for r in rows} == {"api", "vllm-cpu"}
+
+
+def test_samples_record_their_provenance(mixed_run):
+    _, _, _, rows = mixed_run
+    for r in rows:
+        sampling = json.loads(r["sampling"])
+        assert sampling["temperature"] == 0.0 and sampling["max_tokens"] == 24
+        if r["source"] == "vllm-cpu":
+            assert (r["source_kind"], r["provider"], r["ids_from"]) == ("vllm", "vllm", "engine")
+        else:
+            assert (r["source_kind"], r["ids_from"]) == ("openrouter", "rebuilt")
+            assert r["provider"] in ServerConfig().providers and r["model"]
+            assert r["billed_completion_tokens"] > 0
+
+
+def test_actor_ids_equal_the_engine_called_outside_ray(mixed_run, tiny_llm, tiny_target):
+    _, _, _, rows = mixed_run
+    rows = sorted(rows, key=lambda r: r["sample_id"])
+    expected = direct(tiny_llm, [r["prompt_ids"] for r in rows])
+    for r, ids in zip(rows, expected, strict=True):
+        if r["source"] == "vllm-cpu":
+            assert r["output_ids"] == ids, r["sample_id"]
+    # The API's ids are rebuilt from its text (another engine, transformers, behind it): the same greedy answer,
+    # though where the model wrote a non-canonical tokenization the rebuilt ids are the canonical ones.
+    profile = load_profile("deepseek", str(tiny_target))
+    api = [(r, ids) for r, ids in zip(rows, expected, strict=True) if r["source"] == "api"]
+    assert api
+    for r, ids in api:
+        assert profile.decode(r["output_ids"]) == profile.decode(ids), r["sample_id"]
