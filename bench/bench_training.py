@@ -99,7 +99,7 @@ def main() -> None:
     def bare() -> None:  # one draft step, plain CE on the next token: no unroll, no teacher
         hidden = drafter.project(batch.aux_hidden)
         mask0 = step0_mask(batch.doc_ids)
-        _, logits = drafter.step(batch.input_ids, hidden, batch.position_ids, mask0, StepKVCache())
+        logits = drafter.logits(drafter.step(batch.input_ids, hidden, batch.position_ids, mask0, StepKVCache()))
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.target_ids.flatten() % args.draft_vocab)
         loss.backward()
 

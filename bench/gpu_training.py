@@ -111,7 +111,7 @@ def main() -> None:
         with autocast:
             hidden = drafter.project(batch.aux_hidden)
             mask0 = step0_mask(batch.doc_ids)
-            _, logits = drafter.step(batch.input_ids, hidden, batch.position_ids, mask0, StepKVCache())
+            logits = drafter.logits(drafter.step(batch.input_ids, hidden, batch.position_ids, mask0, StepKVCache()))
             labels = batch.target_ids.flatten() % args.draft_vocab
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels)
         loss.backward()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.router import RoutingConfig, check_routing
 from training.config import DraftTrainConfig
 
 
@@ -81,7 +82,12 @@ class DatasetConfig(Strict):
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
 
 
-class VLLMSourceConfig(Strict):
+class EngineErrors(Strict):
+    on_error: Literal["quarantine", "raise"] = "quarantine"  # raise: let Ray retry the batch
+    isolate_errors: bool = True  # retry a failed batch one row at a time so one bad prompt fails alone
+
+
+class VLLMSourceConfig(EngineErrors):
     kind: Literal["vllm"] = "vllm"
     name: str = "vllm"
     num_actors: int = Field(1, gt=0)
@@ -94,18 +100,36 @@ class VLLMSourceConfig(Strict):
     max_model_len: int = 4096
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
     enforce_eager: bool = True
+    gpu_memory_utilization: float | None = None
 
 
-class TransformersSourceConfig(Strict):
+class SGLangSourceConfig(EngineErrors):
+    kind: Literal["sglang"] = "sglang"
+    name: str = "sglang"
+    num_actors: int = Field(1, gt=0)
+    max_actors: int | None = None
+    num_cpus: float = 1.0
+    num_gpus: float = 1.0
+    tensor_parallel_size: int = 1
+    batch_size: int = 64
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    mem_fraction_static: float | None = None
+    attention_backend: str | None = None
+    deterministic: bool | None = None  # None: on when temperature > 0 (needed for per-sample seeds)
+    extra_engine_args: dict[str, Any] = Field(default_factory=dict)
+
+
+class TransformersSourceConfig(EngineErrors):
     kind: Literal["transformers"] = "transformers"
     name: str = "transformers"
     num_actors: int = Field(1, gt=0)
+    max_actors: int | None = None
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     batch_size: int = 8
-
-
-SourceConfig = Annotated[VLLMSourceConfig | TransformersSourceConfig, Field(discriminator="kind")]
+    dtype: str = "float32"
+    max_model_len: int = 4096
 
 
 class ExtractionConfig(Strict):
@@ -123,11 +147,21 @@ class RayConfig(Strict):
     num_cpus: int | None = None
 
 
+# The HTTP source's config builds on the classes above, so it is imported here.
+from pipeline.sources.http_config import OpenRouterSourceConfig  # noqa: E402
+
+SourceConfig = Annotated[
+    VLLMSourceConfig | SGLangSourceConfig | TransformersSourceConfig | OpenRouterSourceConfig,
+    Field(discriminator="kind"),
+]
+
+
 class RunConfig(Strict):
     output_dir: str
     model: ModelConfig
     datasets: list[DatasetConfig] = Field(min_length=1)
     sources: list[SourceConfig] = Field(min_length=1)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     extraction: ExtractionConfig = Field(default_factory=ExtractionConfig)
     training: DraftTrainConfig | None = Field(default_factory=DraftTrainConfig)
@@ -145,6 +179,7 @@ class RunConfig(Strict):
             for s in d.sources or []:
                 if s not in names:
                     raise ValueError(f"dataset {d.name!r} names unknown source {s!r} (known: {names})")
+        check_routing(self.routing, names, ds_names)
         if self.model.path is None and self.model.build_tiny:
             raise ValueError("model.build_tiny needs model.path")
         return self

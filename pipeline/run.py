@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.audit import AuditAccumulator, summary_lines
-from pipeline.config import ChecksConfig, RunConfig, VLLMSourceConfig
+from pipeline.config import ChecksConfig, RunConfig
 from pipeline.datasets import load_dataset
 from pipeline.records import QUARANTINE_SCHEMA
 from pipeline.stages import FLIGHT_SCHEMA, RenderPrompts, ValidateSamples, WriteShards, _atomic_write, shard_name
@@ -83,40 +83,74 @@ def finished_ids(out: Path) -> set[str]:
     return ids
 
 
-def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path) -> Tally:
-    """Stream prompts through render -> source -> validate -> shard writer, tallying what comes out."""
+def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path, ledgers: dict[str, Any]) -> Tally:
+    """Stream prompts through render -> routed sources -> validate -> shard writer, tallying what comes out.
+
+    A prompt whose source fails it is handed to the next source the router names; when that source sits
+    earlier in the chain the prompt comes back as ``reroute`` and is fed to one more pass.
+    """
     import ray.data
 
-    from pipeline.sources.vllm_source import VLLMGenerator
+    from pipeline.router import build_router, map_routed, reroute_overrides
 
-    if not prompts:
-        return Tally(0, cfg.datasets[0].checks)
-    source = cfg.sources[0]
-    if not isinstance(source, VLLMSourceConfig):
-        raise NotImplementedError(f"source kind {source.kind!r} is not wired into the run yet")
-    model = cfg.model
-    ds = ray.data.from_items(prompts, override_num_blocks=max(1, len(prompts) // source.batch_size))
-    ds = ds.map_batches(RenderPrompts, fn_constructor_args=(model.profile, model.path), batch_format="pyarrow",
-                        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
-    ds = ds.map_batches(
-        VLLMGenerator,
-        fn_constructor_args=(model.path, model.profile, cfg.sampling.model_dump(), source.model_dump(), source.name),
-        batch_size=source.batch_size, batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=source.num_actors, max_size=source.max_actors or source.num_actors),
-        num_cpus=source.num_cpus, num_gpus=source.num_gpus,
-    )
-    checks = {d.name: d.checks.model_dump() for d in cfg.datasets}
-    ds = ds.map_batches(ValidateSamples, fn_constructor_args=(model.profile, model.path, checks),
-                        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
-    ds = ds.map_batches(WriteShards, fn_constructor_args=(str(out),), batch_format="pyarrow",
-                        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
     tally = Tally(len(prompts), cfg.datasets[0].checks)
-    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        for row in batch.to_pylist():
-            tally.add(row)
-        tally.progress()
+    if not prompts:
+        return tally
+    model = cfg.model
+    router = build_router(cfg.sources, cfg.datasets, cfg.routing, len(prompts))
+    checks = {d.name: d.checks.model_dump() for d in cfg.datasets}
+    block_rows = min(s.batch_size for s in cfg.sources)
+    todo, overrides = prompts, {}
+    for _ in range(cfg.routing.max_hops + 2):
+        ds = ray.data.from_items(todo, override_num_blocks=max(1, len(todo) // block_rows))
+        ds = ds.map_batches(RenderPrompts, fn_constructor_args=(model.profile, model.path), batch_format="pyarrow",
+                            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+        ds = map_routed(ds, cfg.sources, model_dir=model.path, profile=model.profile,
+                        sampling=cfg.sampling.model_dump(), router=router, ledgers=ledgers, overrides=overrides)
+        ds = ds.map_batches(ValidateSamples, fn_constructor_args=(model.profile, model.path, checks),
+                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+        ds = ds.map_batches(WriteShards, fn_constructor_args=(str(out),), batch_format="pyarrow",
+                            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+        rerouted = []
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            for row in batch.to_pylist():
+                if row["status"] == "reroute":
+                    rerouted.append(row)
+                else:
+                    tally.add(row)
+            tally.progress()
+        overrides = reroute_overrides(rerouted)
+        todo = [p for p in prompts if p["sample_id"] in overrides]
+        if not todo:
+            break
+    if todo:
+        raise RuntimeError(f"{len(todo)} prompts still re-routed after {cfg.routing.max_hops + 2} passes")
     tally.progress(final=True)
     return tally
+
+
+def create_ledgers(cfg: RunConfig, out: Path) -> dict[str, Any]:
+    """One budget ledger per API source, restored from what earlier attempts already spent."""
+    from pipeline.sources.openrouter import ledger_for
+
+    ledgers = {}
+    for src in cfg.sources:
+        if src.kind == "openrouter":
+            ledgers[src.name] = ledger_for(src, spent=spent_by_dataset(out, src.name))
+    return ledgers
+
+
+def spent_by_dataset(out: Path, source: str) -> dict[str, int]:
+    """Billed completion tokens of one source in written samples and quarantined (but billed) samples."""
+    spent: Counter = Counter()
+    for r in _read_all(out / "samples", ["dataset", "source", "billed_completion_tokens"]):
+        if r["source"] == source and (r["billed_completion_tokens"] or 0) > 0:
+            spent[r["dataset"]] += r["billed_completion_tokens"]
+    for r in _read_all(out / "quarantine", ["dataset", "source", "detail"]):
+        if r["source"] == source:
+            billed = json.loads(r["detail"] or "{}").get("billed_completion_tokens") or 0
+            spent[r["dataset"]] += max(int(billed), 0)
+    return dict(spent)
 
 
 class Tally:
@@ -234,6 +268,13 @@ def summarize(tally: Tally, counts: Counter, out: Path) -> dict[str, Any]:
     }
 
 
+def _ledger_report(ledger: Any) -> dict[str, Any]:
+    import ray
+
+    rep = ledger.report.remote() if hasattr(ledger.report, "remote") else ledger.report()
+    return ray.get(rep) if isinstance(rep, ray.ObjectRef) else rep
+
+
 def _reason_key(reason: str) -> str:
     """The reason's leading words (check name or error kind), for grouping."""
     return reason.split(":", 1)[0][:80]
@@ -264,10 +305,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     prompts, counts = read_prompts(cfg, out)
     timings.add("read", t0)
     t0 = time.perf_counter()
-    tally = generate(cfg, prompts, out)
+    ledgers = create_ledgers(cfg, out)
+    tally = generate(cfg, prompts, out, ledgers)
     timings.add("generate", t0)
     report: dict[str, Any] = summarize(tally, counts, out)
     assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
+    report["spend"] = {name: _ledger_report(ledger) for name, ledger in ledgers.items()}
     report["training"] = extract_and_train(cfg, out, timings) if cfg.training is not None else None
     timings.add("total", t_all)
     report["seconds"] = timings.seconds

@@ -16,7 +16,7 @@ from training.checkpoint import LocalCheckpoints
 from training.config import DraftTrainConfig, default_aux_layer_ids, resolve_aux_layer_ids
 from training.data import Batch, batches, collate, pack_rows, to_sample
 from training.export import export_draft, load_exported
-from training.loss import shift_left, soft_cross_entropy, step_view, ttt_forward, unroll
+from training.loss import distill_cross_entropy, shift_left, step_view, ttt_forward, unroll
 from training.model import Eagle3Drafter
 from training.simulate import walk_acceptance
 from training.target import greedy_ids, load_target_parts
@@ -166,16 +166,22 @@ def test_shift_left_pads_with_fill():
     assert shift_left(x, 2, 9).tolist() == [[3, 4, 9, 9]]
 
 
-def test_soft_cross_entropy_matches_hard_ce_and_ignores_masked():
+def test_distill_cross_entropy_value_and_gradient_match_autograd():
     torch.manual_seed(0)
-    logits = torch.randn(1, 4, 6)
-    labels = torch.tensor([[1, 5, 0, 2]])
-    onehot = torch.nn.functional.one_hot(labels, 6).float()
-    mask = torch.tensor([[True, True, False, True]])
-    got = soft_cross_entropy(onehot, logits, mask)
-    want = torch.nn.functional.cross_entropy(logits[mask], labels[mask])
+    draft = torch.randn(5, 11, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(5, 11, dtype=torch.float64)
+    got = distill_cross_entropy(draft, teacher)
+    ref_draft = draft.detach().clone().requires_grad_(True)
+    want = -(torch.softmax(teacher, -1) * torch.log_softmax(ref_draft, -1)).sum(-1).mean()
     torch.testing.assert_close(got, want)
-    assert soft_cross_entropy(onehot, logits, torch.zeros_like(mask)) == 0
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(draft.grad, ref_draft.grad)
+    # a sharp teacher reduces it to ordinary cross-entropy on the teacher's argmax
+    labels = torch.tensor([1, 5, 0, 2, 10])
+    sharp = torch.nn.functional.one_hot(labels, 11).double() * 200
+    torch.testing.assert_close(distill_cross_entropy(draft, sharp), torch.nn.functional.cross_entropy(draft, labels))
+    assert distill_cross_entropy(draft[:0], teacher[:0]).item() == 0
 
 
 def test_packed_documents_do_not_leak_into_each_other():
@@ -186,9 +192,7 @@ def test_packed_documents_do_not_leak_into_each_other():
     both_changed = packed([rows[0], fake_rows([6], seed=5)[0]], row_len=16)
     in_draft = lambda b: torch.ones_like(b.doc_ids, dtype=torch.bool)  # noqa: E731
     with torch.no_grad():
-        a = [lg for _, lg in unroll(model, alone, in_draft(alone), 3)]
-        b = [lg for _, lg in unroll(model, both, in_draft(both), 3)]
-        c = [lg for _, lg in unroll(model, both_changed, in_draft(both_changed), 3)]
+        a, b, c = ([model.logits(h) for _, h in unroll(model, x, in_draft(x), 3)] for x in (alone, both, both_changed))
     for k in range(3):
         n = 9 - (k + 1)  # indices whose step-k input token is still inside document A
         torch.testing.assert_close(a[k][0, :n], b[k][0, :n], rtol=1e-5, atol=1e-5)
@@ -206,7 +210,7 @@ def test_ttt_loss_weights_steps_and_backpropagates_through_the_unroll():
     model.zero_grad()
     in_draft = torch.ones_like(batch.doc_ids, dtype=torch.bool)
     views = list(unroll(model, batch, in_draft, 3))
-    views[2][1].sum().backward()
+    model.logits(views[2][1]).sum().backward()
     assert model.fc.weight.grad.abs().sum() > 0
     assert model.embed_tokens.weight.grad is None  # frozen target embeddings
 

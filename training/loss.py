@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from training.data import Batch
 from training.model import Eagle3Drafter
@@ -46,20 +45,40 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int | bool) -> torch.Tenso
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def soft_cross_entropy(target_probs: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over masked positions of -sum_v p_target(v) log p_draft(v) (float32 for stability)."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    per_pos = -(target_probs * logp).sum(-1)
-    count = mask.sum()
-    return (per_pos * mask).sum() / count.clamp(min=1)
-
-
-def teacher_probs(final_hidden: torch.Tensor, lm_head_draft: torch.Tensor) -> torch.Tensor:
-    """Target distribution restricted to the draft vocab: softmax over lm_head[draft ids] logits
-    (float32 even under bf16 autocast: the teacher should not lose precision)."""
+def teacher_logits(final_hidden: torch.Tensor, lm_head_draft: torch.Tensor) -> torch.Tensor:
+    """Target logits restricted to the draft vocab (lm_head rows of the draft ids), in float32
+    even under bf16 autocast: the teacher should not lose precision."""
     with torch.autocast(final_hidden.device.type, enabled=False):
-        logits = final_hidden.float() @ lm_head_draft.float().T
-        return torch.softmax(logits, dim=-1)
+        return final_hidden.float() @ lm_head_draft.float().T
+
+
+class _DistillCE(torch.autograd.Function):
+    """Per-row -sum softmax(t) * log_softmax(d) = logsumexp(d) - <softmax(t), d>, with the
+    gradient softmax(d) - softmax(t) written out: fewer passes over the (N, V) tensors and
+    only (d, softmax(t)) kept for backward."""
+
+    @staticmethod
+    def forward(ctx, draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(draft_logits.dtype, torch.float32)  # bf16 logits -> float32
+        d = draft_logits.to(dtype)
+        p_t = torch.softmax(teacher_logits.to(dtype), dim=-1)
+        lse = torch.logsumexp(d, dim=-1)
+        ctx.save_for_backward(d, p_t, lse)
+        ctx.in_dtype = draft_logits.dtype
+        return lse - (p_t * d).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        d, p_t, lse = ctx.saved_tensors
+        grad = torch.exp(d - lse[:, None]).sub_(p_t).mul_(grad_out[:, None])
+        return grad.to(ctx.in_dtype), None
+
+
+def distill_cross_entropy(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of the soft cross-entropy from teacher logits to draft logits (N, V)."""
+    if draft_logits.shape[0] == 0:
+        return draft_logits.sum() * 0.0  # keeps lm_head in the graph (DDP expects its gradient)
+    return _DistillCE.apply(draft_logits, teacher_logits).mean()
 
 
 @dataclass
@@ -87,15 +106,15 @@ def step_view(batch: Batch, in_draft: torch.Tensor, k: int) -> StepView:
 def unroll(
     model: Eagle3Drafter, batch: Batch, in_draft: torch.Tensor, ttt_steps: int
 ) -> Iterator[tuple[StepView, torch.Tensor]]:
-    """Yield (view, draft logits) for steps 0..ttt_steps-1, feeding each step's pre-norm output
-    back as the next step's hidden state (gradients flow through the whole unroll)."""
+    """Yield (view, pre-norm hidden) for steps 0..ttt_steps-1, feeding each step's output back as
+    the next step's hidden state (gradients flow through the whole unroll)."""
     mask0 = step0_mask(batch.doc_ids)
     cache = StepKVCache()
     hidden = model.project(batch.aux_hidden)
     for k in range(ttt_steps):
         view = step_view(batch, in_draft, k)
-        hidden, logits = model.step(view.tokens, hidden, view.position_ids, mask0, cache)
-        yield view, logits
+        hidden = model.step(view.tokens, hidden, view.position_ids, mask0, cache)
+        yield view, hidden
 
 
 def ttt_forward(
@@ -108,20 +127,25 @@ def ttt_forward(
     """Unroll `ttt_steps` draft steps over a packed batch and return the weighted loss.
 
     `lm_head_draft` is the target's lm_head rows of the draft vocab (draft order), (V_d, H_t).
-    Accuracy counts predictions whose target argmax lies outside the draft vocab as misses."""
+    Logits are computed only at the step's valid positions (the vocab-sized tensors dominate
+    time and memory). Accuracy counts predictions whose target argmax lies outside the draft
+    vocab as misses."""
     with torch.no_grad():
-        probs = teacher_probs(batch.final_hidden, lm_head_draft)  # (B, L, V_d) at position j
-        teacher_top = probs.argmax(-1)
         in_draft = model.t2d[batch.target_ids] & (batch.doc_ids >= 0)
+        # draft index of each target id (valid only where in_draft): rank among kept ids
+        draft_index = (torch.cumsum(model.t2d.long(), 0) - 1)[batch.target_ids]
     total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
     losses, accs, counts = [], [], []
-    for k, (view, logits) in enumerate(unroll(model, batch, in_draft, ttt_steps)):
-        loss_k = soft_cross_entropy(shift_left(probs, k + 1, 0.0), logits, view.valid)
+    for k, (view, hidden) in enumerate(unroll(model, batch, in_draft, ttt_steps)):
+        rows, cols = view.valid.nonzero(as_tuple=True)
+        logits = model.logits(hidden[rows, cols])  # (N, V_d)
+        teacher = teacher_logits(batch.final_hidden[rows, cols + k + 1], lm_head_draft)
+        loss_k = distill_cross_entropy(logits, teacher)
         total = total + (step_decay**k) * loss_k
         with torch.no_grad():
-            hit = (logits.argmax(-1) == shift_left(teacher_top, k + 1, -1)) & view.valid
+            hits = int((logits.argmax(-1) == draft_index[rows, cols + k + 1]).sum())
             n_trained = int(view.trained.sum())
-            accs.append(float(hit.sum()) / max(n_trained, 1))
+            accs.append(hits / max(n_trained, 1))
         losses.append(float(loss_k.detach()))
         counts.append(n_trained)
     return TTTOutput(total, losses, accs, counts)

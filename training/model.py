@@ -113,12 +113,15 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor,
         mask0: torch.Tensor,
         cache: StepKVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: returns (pre-norm hidden for the next step, draft-vocab logits)."""
+    ) -> torch.Tensor:
+        """One draft step: returns the pre-norm hidden state, which the next step consumes."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos_sin = self.rotary(hidden, position_ids)
-        out = self.midlayer(embeds, hidden, cos_sin, mask0, cache)
-        return out, self.lm_head(self.norm(out))
+        return self.midlayer(embeds, hidden, cos_sin, mask0, cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of pre-norm hidden states (any leading shape)."""
+        return self.lm_head(self.norm(hidden))
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen target embeddings: the export tensors."""

@@ -46,8 +46,8 @@ def propose_all(drafter: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: tor
     tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # token t+1 at index t
     out = []
     for j in range(k):
-        hidden, logits = drafter.step(tokens, hidden, pos + j, mask0, cache)
-        tokens = drafter.draft_to_target[logits.argmax(-1)]
+        hidden = drafter.step(tokens, hidden, pos + j, mask0, cache)
+        tokens = drafter.draft_to_target[drafter.logits(hidden).argmax(-1)]
         out.append(tokens[0])
     return torch.stack(out)
 

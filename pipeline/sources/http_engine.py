@@ -99,10 +99,14 @@ class HttpEngine:
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
         self.rng = rng or random.Random()
         self.sampling_json = json.dumps(self.opts.sampling(), sort_keys=True)
+        self._constant_fields = {"source": self.source_name, "source_kind": "openrouter", "model": cfg.model,
+                                 "ids_from": "rebuilt", "sampling": self.sampling_json, "generation_id": ""}
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None
         self._exhausted: set[str] = set()
+        self._auto_seen: tuple[str, ...] | None = None
+        self._exclude_list: list[str] = list(cfg.exclude_providers)
         self.stats = {"requests": 0, "retries": 0, OK: 0, QUARANTINED: 0, NOT_GENERATED: 0}
 
     # -- session ------------------------------------------------------------
@@ -221,20 +225,22 @@ class HttpEngine:
             or not forbidden.isdisjoint(rebuilt.ids)
         await self.ledger.settle(dataset, reserved, charge, reply.cost, reply.provider,
                                  "invalid" if invalid else "ok", drift)
-        reply = Reply(completion, reply.generation_id, reply.provider, reply.model, billed, reply.cost,
-                      reply.native_finish_reason)
         return _Attempt(reply, None, seconds, rebuilt.ids, rebuilt.truncated)
 
     def _excluded(self) -> list[str]:
-        fixed = self.cfg.exclude_providers
-        return list(fixed) + [p for p in self.ledger.excluded if p not in fixed]
+        """Configured exclusions plus the ledger's automatic ones (recomputed only when those change)."""
+        auto = self.ledger.excluded
+        if auto is not self._auto_seen:
+            fixed = self.cfg.exclude_providers
+            self._auto_seen = auto
+            self._exclude_list = list(fixed) + [p for p in auto if p not in fixed]
+        return self._exclude_list
 
     # -- output rows ----------------------------------------------------------
     def _base(self, row: dict[str, Any], status: str, error: str, attempts: int) -> dict[str, Any]:
         out = empty_sample(row)
-        out.update({"source": self.source_name, "source_kind": "openrouter", "model": self.cfg.model,
-                    "ids_from": "rebuilt", "sampling": self.sampling_json, "status": status,
-                    "error": error, "attempts": attempts, "generation_id": ""})
+        out.update(self._constant_fields)
+        out["status"], out["error"], out["attempts"] = status, error, attempts
         self.stats[status] += 1
         return out
 

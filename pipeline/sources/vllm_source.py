@@ -195,6 +195,28 @@ class VLLMGenerator(EngineSource):
         )
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
+        results: list[EngineResult] = []
+        for group in prefill_groups([len(r["prompt_ids"]) for r in rows], self._prefill_budget()):
+            results += self._generate([rows[i] for i in group])
+        return results
+
+    def _prefill_budget(self) -> int | None:
+        """On CPU, seeded requests must not have their prefill split across steps.
+
+        vLLM rewinds a request's generator when its prefill is chunked, and the CPU
+        generator cannot rewind ("CPU Generator does not use offset"): send at most one
+        step's worth of prompt tokens per call there. GPUs have no such limit.
+        """
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        try:
+            return int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+        except AttributeError:
+            return 2048
+
+    def _generate(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
         from vllm.inputs import TokensPrompt
 
         t0 = time.perf_counter()
@@ -210,6 +232,22 @@ class VLLMGenerator(EngineSource):
             error = f"request finished with {c.finish_reason!r}" if c.finish_reason == "abort" else None
             results.append(EngineResult(list(c.token_ids), c.finish_reason, per_sample, error))
         return results
+
+
+def prefill_groups(lengths: list[int], budget: int | None) -> list[list[int]]:
+    """Consecutive index groups whose prompt tokens (plus one decode slot each) fit one scheduler step."""
+    if budget is None:
+        return [list(range(len(lengths)))] if lengths else []
+    groups: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if groups and used + n + len(groups[-1]) + 1 <= budget:
+            groups[-1].append(i)
+            used += n
+        else:
+            groups.append([i])
+            used = n
+    return groups
 
 
 def start_vllm(model_dir: str, engine: dict[str, Any], seed: int) -> Any:
