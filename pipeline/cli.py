@@ -23,6 +23,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from pipeline.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, check_paths=not args.no_paths)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.config}: ok — {len(cfg.datasets)} datasets, sources "
+          f"{[f'{s.kind}:{s.name}' for s in cfg.sources]}, output {cfg.output_dir}")
+    return 0
+
+
 def _build_tiny(args: argparse.Namespace) -> int:
     from pipeline.tiny_model import build_tiny_target, weights_digest
 
@@ -48,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("--output-dir", help="override output_dir from the config")
     p.set_defaults(fn=_run)
+    p = sub.add_parser("check", help="validate a config without running anything")
+    p.add_argument("config")
+    p.add_argument("--no-paths", action="store_true", help="skip checks that model and dataset files exist")
+    p.set_defaults(fn=_check)
     p = sub.add_parser("build-tiny", help="build the tiny CPU target model folder")
     p.add_argument("out")
     p.add_argument("--force", action="store_true")

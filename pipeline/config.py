@@ -133,10 +133,20 @@ class TransformersSourceConfig(EngineErrors):
 
 
 class ExtractionConfig(Strict):
+    """Hidden-state capture; ``mode: stream`` feeds training directly, ``shards`` stages Arrow shards on disk."""
+
     aux_layer_ids: list[int] | None = None  # default [2, L//2, L-3]; vLLM convention (input of layer i)
+    mode: Literal["stream", "shards"] = "stream"
+    backend: Literal["transformers", "vllm"] = "transformers"
+    dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
+    device_map: str | None = None  # e.g. "auto" for a target that spans several GPUs
+    vllm: dict[str, Any] = Field(default_factory=dict)  # engine options for backend vllm
     batch_tokens: int = Field(4096, gt=0)
+    rows_per_call: int = Field(128, gt=0)  # rows per actor call: more rows, less padding after sorting
     max_len: int = Field(4096, gt=0)
     too_long: Literal["truncate", "quarantine"] = "truncate"
+    samples_per_shard: int = Field(64, gt=0)
+    shard_dtype: Literal["float32", "bfloat16"] = "float32"
     num_actors: int = 1
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -180,6 +190,14 @@ class RunConfig(Strict):
                 if s not in names:
                     raise ValueError(f"dataset {d.name!r} names unknown source {s!r} (known: {names})")
         check_routing(self.routing, names, ds_names)
+        for s in self.sources:
+            tp, gpus = getattr(s, "tensor_parallel_size", 1), getattr(s, "num_gpus", 0.0)
+            if gpus and tp > gpus and s.kind == "sglang":
+                raise ValueError(f"source {s.name!r}: tensor_parallel_size {tp} needs num_gpus >= {tp}")
+        if self.training and self.training.aux_layer_ids and self.extraction.aux_layer_ids \
+                and self.training.aux_layer_ids != self.extraction.aux_layer_ids:
+            raise ValueError(f"training.aux_layer_ids {self.training.aux_layer_ids} differ from "
+                             f"extraction.aux_layer_ids {self.extraction.aux_layer_ids}")
         if self.model.path is None and self.model.build_tiny:
             raise ValueError("model.build_tiny needs model.path")
         return self
@@ -194,8 +212,11 @@ def _resolve(path: str, base: Path) -> str:
     return str(p if p.is_absolute() else (base / p))
 
 
-def load_config(path: str | Path, *, base_dir: str | Path | None = None) -> RunConfig:
-    """Load and validate a run config. Relative paths resolve against ``base_dir`` (default: cwd)."""
+def load_config(path: str | Path, *, base_dir: str | Path | None = None, check_paths: bool = True) -> RunConfig:
+    """Load and validate a run config. Relative paths resolve against ``base_dir`` (default: cwd).
+
+    ``check_paths=False`` validates the schema only, for a cluster config checked away from its cluster.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -217,11 +238,11 @@ def load_config(path: str | Path, *, base_dir: str | Path | None = None) -> RunC
     cfg.output_dir = _resolve(cfg.output_dir, base)
     if cfg.model.path:
         cfg.model.path = _resolve(cfg.model.path, base)
-        if not cfg.model.build_tiny and not Path(cfg.model.path).is_dir():
+        if check_paths and not cfg.model.build_tiny and not Path(cfg.model.path).is_dir():
             raise ConfigError(f"{path}: model.path does not exist: {cfg.model.path}")
     for d in cfg.datasets:
         d.path = _resolve(d.path, base)
-        if not Path(d.path).is_file():
+        if check_paths and not Path(d.path).is_file():
             raise ConfigError(f"{path}: dataset {d.name!r}: file not found: {d.path}")
         if not d.path.endswith((".jsonl", ".json", ".parquet")):
             raise ConfigError(f"{path}: dataset {d.name!r}: expected a .jsonl or .parquet file: {d.path}")

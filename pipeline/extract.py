@@ -171,11 +171,19 @@ def forward_states(model: Any, seqs: Sequence[Sequence[int]], aux_layer_ids: Seq
 
     base, _ = decoder_parts(model)
     device = base.get_input_embeddings().weight.device
-    ids = torch.from_numpy(right_pad(seqs)).to(device)
+    ids = to_device(torch.from_numpy(right_pad(seqs)), device)
     with torch.inference_mode(), tap_layer_inputs(model, aux_layer_ids) as taps:
         out = base(input_ids=ids, use_cache=False)
         parts = [taps[i] for i in aux_layer_ids] + [out.last_hidden_state]
         return torch.cat([p.to(device) for p in parts], dim=-1)
+
+
+def to_device(t: Any, device: Any) -> Any:
+    """Host -> device without a stream sync on CUDA (a pageable copy would wait for queued
+    kernels and serialize the next group's forward with this group's host work)."""
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -204,7 +212,7 @@ def _launch(model: Any, indices: list[int], seqs: list[list[int]], aux_layer_ids
     states = forward_states(model, seqs, aux_layer_ids)
     lengths = [len(s) for s in seqs]
     pos = torch.arange(states.shape[1], device=states.device)[None, :]
-    real = pos < torch.tensor(lengths, device=states.device)[:, None]
+    real = pos < to_device(torch.tensor(lengths), states.device)[:, None]
     # A row sum is NaN/inf iff some value is (finite values never sum past fp32 range here): one
     # reduction instead of a full-size boolean tensor.
     finite = (torch.isfinite(states.sum(dim=-1, dtype=torch.float32)) | ~real).all(dim=-1)

@@ -196,44 +196,59 @@ class Tally:
 
 
 def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, Any]:
-    """Hidden states streamed from the extraction actors straight into the Ray Train loop."""
+    """Hidden states from the extraction actors into the Ray Train loop: streamed, or via shards on disk."""
     import ray.data
     from transformers import AutoConfig
 
-    from pipeline.extract import HiddenStateExtractor, bytes_per_token
+    from pipeline.extract import HiddenStateExtractor, bytes_per_token, read_extract_stats
     from training.config import resolve_aux_layer_ids
 
     samples_dir = out / "samples"
     if not any(samples_dir.glob("*.parquet")):
         return {"skipped": "no passed samples to train on"}
-    tcfg = cfg.training
+    tcfg, ex = cfg.training, cfg.extraction
     target_cfg = AutoConfig.from_pretrained(cfg.model.path)
-    aux_ids = cfg.extraction.aux_layer_ids or resolve_aux_layer_ids(tcfg, target_cfg.num_hidden_layers)
-    ex = cfg.extraction
-    ds = ray.data.read_parquet(str(samples_dir), columns=["sample_id", "dataset", "row_index", "source",
-                                                          "prompt_ids", "prompt_assistant_mask", "output_ids"])
-    ds = ds.map_batches(
-        HiddenStateExtractor,
-        fn_constructor_args=(cfg.model.path, aux_ids, ex.max_len, ex.too_long, ex.batch_tokens,
-                             str(out / "quarantine")),
-        batch_format="pyarrow", batch_size=16,
-        compute=ray.data.ActorPoolStrategy(size=ex.num_actors), num_cpus=ex.num_cpus, num_gpus=ex.num_gpus,
-    )
+    aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg, target_cfg.num_hidden_layers)
+    stats_dir = out / "extract_stats"
+    extractor_kwargs = {"backend": ex.backend, "dtype": ex.dtype, "device_map": ex.device_map,
+                        "vllm_options": ex.vllm, "stats_dir": str(stats_dir)}
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"aux_layer_ids": aux_ids,
-                              "bytes_per_token": bytes_per_token(target_cfg.hidden_size, len(aux_ids))}
-    if tcfg is None:
-        n = ds.count()
-        timings.add("extract", t0)
-        result["extracted"] = n
-        return result
-    from training.train import train_drafter
+    if ex.mode == "shards":
+        from pipeline.hidden_shards import extract_to_shards, hidden_shards_dataset
 
-    tcfg = tcfg.model_copy(update={"aux_layer_ids": aux_ids})
-    res = train_drafter(ds, tcfg, cfg.model.path, out / "drafter")
-    timings.add("extract+train", t0)
-    result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
-                  metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
+        extract_to_shards(samples_dir, out / "hidden", model_dir=cfg.model.path, aux_layer_ids=aux_ids,
+                          max_len=ex.max_len, too_long=ex.too_long, batch_tokens=ex.batch_tokens,
+                          quarantine_dir=out / "quarantine", samples_per_shard=ex.samples_per_shard,
+                          rows_per_call=ex.rows_per_call, dtype=ex.shard_dtype, num_actors=ex.num_actors,
+                          num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=extractor_kwargs)
+        timings.add("extract", t0)
+        ds = hidden_shards_dataset(out / "hidden")
+    else:
+        ds = ray.data.read_parquet(str(samples_dir), columns=["sample_id", "dataset", "row_index", "source",
+                                                              "prompt_ids", "prompt_assistant_mask", "output_ids"])
+        ds = ds.map_batches(
+            HiddenStateExtractor,
+            fn_constructor_args=(cfg.model.path, aux_ids, ex.max_len, ex.too_long, ex.batch_tokens,
+                                 str(out / "quarantine")),
+            fn_constructor_kwargs=extractor_kwargs,
+            batch_format="pyarrow", batch_size=ex.rows_per_call,
+            compute=ray.data.ActorPoolStrategy(size=ex.num_actors), num_cpus=ex.num_cpus, num_gpus=ex.num_gpus,
+        )
+    result: dict[str, Any] = {"aux_layer_ids": aux_ids, "extraction_mode": ex.mode,
+                              "bytes_per_token": bytes_per_token(target_cfg.hidden_size, len(aux_ids))}
+    t0 = time.perf_counter()
+    if tcfg is None:
+        result["extracted"] = ds.count()
+        timings.add("extract" if ex.mode == "stream" else "read_shards", t0)
+    else:
+        from training.train import train_drafter
+
+        res = train_drafter(ds, tcfg.model_copy(update={"aux_layer_ids": aux_ids}), cfg.model.path,
+                            out / "drafter")
+        timings.add("extract+train" if ex.mode == "stream" else "train", t0)
+        result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
+                      metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
+    result["extraction"] = read_extract_stats(stats_dir) if stats_dir.exists() else {}
     return result
 
 
@@ -311,7 +326,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     report: dict[str, Any] = summarize(tally, counts, out)
     assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
     report["spend"] = {name: _ledger_report(ledger) for name, ledger in ledgers.items()}
-    report["training"] = extract_and_train(cfg, out, timings) if cfg.training is not None else None
+    report["training"] = extract_and_train(cfg, out, timings)
     timings.add("total", t_all)
     report["seconds"] = timings.seconds
     gen_s = timings.seconds.get("generate") or 0.0
@@ -341,7 +356,18 @@ def format_report(r: dict[str, Any], out: Path) -> str:
     if r["audit"]["samples"]:
         lines.append("  audit (this attempt):")
         lines += [f"    {line}" for line in summary_lines(r["audit"])]
+    for name, spend in (r.get("spend") or {}).items():
+        lines.append(f"  spend {name}: {json.dumps(spend.get('datasets', spend), default=str)[:300]}")
     t = r.get("training") or {}
+    x = t.get("extraction") or {}
+    if x:
+        lines.append(f"  extraction   {x['samples']} samples, {x['tokens']} tokens, {x['tokens_per_s_per_actor']} "
+                     f"tok/s/actor, {x['bytes_per_token']} bytes/token, peak RSS {x['peak_rss_mb']:.0f} MB")
+    m = t.get("metrics") or {}
+    if m:
+        accs = " ".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("acc_"))
+        lines.append(f"  training     step {m.get('step')} loss {m.get('loss', float('nan')):.3f} "
+                     f"acc/position [{accs}] {m.get('tokens_per_s', 0):.0f} tok/s")
     if t.get("export_dir"):
         lines.append(f"  drafter      {t['export_dir']}")
     lines.append("=" * 64)

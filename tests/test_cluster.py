@@ -58,3 +58,29 @@ def test_ray_job_submit_runs_the_pipeline(ray_head, tmp_path: Path, repo_root: P
     assert "Run report" in proc.stdout and "succeeded" in proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["rows_in"] == 3 and report["passed"] + report["quarantined"] == 3
+
+
+def test_kimi_production_config_validates(repo_root: Path):
+    from pipeline.config import load_config
+    from pipeline.router import build_router
+
+    cfg = load_config(repo_root / "configs" / "kimi_k25.yaml", check_paths=False)
+    assert cfg.model.profile == "kimi-k2.5"
+    assert cfg.extraction.aux_layer_ids == [2, 30, 58] == cfg.training.aux_layer_ids
+    assert cfg.training.draft_vocab_size == 32000
+    kinds = {s.kind: s for s in cfg.sources}
+    assert kinds["sglang"].tensor_parallel_size == 8 and kinds["vllm"].tensor_parallel_size == 8
+    api = kinds["openrouter"]
+    api_datasets = [d.name for d in cfg.datasets if d.sources is None]
+    assert api_datasets and all(api.budgets[d] == 10_000_000 for d in api_datasets)
+    router = build_router(cfg.sources, cfg.datasets, cfg.routing, 1000)
+    for i in range(200):
+        row = {"sample_id": f"b1_tool_calls:{i}:x", "dataset": "b1_tool_calls", "tools": "[{}]", "status": "ok"}
+        assert router.route(row) in {"sglang-h200", "vllm-h200"}
+
+
+def test_check_command_reports_missing_paths(repo_root: Path):
+    from pipeline.cli import main
+
+    assert main(["check", str(repo_root / "configs" / "kimi_k25.yaml"), "--no-paths"]) == 0
+    assert main(["check", str(repo_root / "configs" / "kimi_k25.yaml")]) == 2

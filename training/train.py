@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -80,10 +81,12 @@ def prepare_drafter(cfg: DraftTrainConfig, target: TargetParts, vocab: VocabMapp
 
 
 class TargetIdsCache:
-    """Full-vocab target argmax per row, computed once per sample_id (rows repeat every epoch)."""
+    """Full-vocab target argmax per row, computed once per sample_id (rows repeat every epoch),
+    on the training device: a (T, V) product over a real vocab is too slow on a CPU."""
 
-    def __init__(self, lm_head: torch.Tensor) -> None:
-        self.lm_head = lm_head
+    def __init__(self, lm_head: torch.Tensor, device: torch.device) -> None:
+        self.lm_head = lm_head.to(device)
+        self.device = device
         self.cache: dict[str, np.ndarray] = {}
 
     def sample(self, row: dict, max_len: int):
@@ -92,7 +95,7 @@ class TargetIdsCache:
         def compute(final: np.ndarray) -> np.ndarray:
             if key is not None and key in self.cache:
                 return self.cache[key]
-            ids = greedy_ids(torch.from_numpy(final), self.lm_head).numpy()
+            ids = greedy_ids(torch.from_numpy(final).to(self.device), self.lm_head).cpu().numpy()
             if key is not None:
                 self.cache[str(key)] = ids
             return ids
@@ -183,7 +186,7 @@ def train_loop(
     if rank == 0:
         _truncate_log(log_path, state.step)
     extra = {"config": cfg.model_dump(), "aux_layer_ids": drafter.config.eagle_aux_hidden_state_layer_ids}
-    targets = TargetIdsCache(target.lm_head)
+    targets = TargetIdsCache(target.lm_head, device)
     stream = batch_stream(rows_fn, cfg, targets, state, rank)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     metrics: dict = {}
@@ -262,12 +265,11 @@ def _ray_worker(config: dict) -> None:
     vocab = load_vocab(Path(config["vocab_path"]))
     if resumed is None:
         train_loop(cfg, config["target_dir"], config["out_dir"], rows_fn, vocab, **common)
-    else:
-        with resumed.as_directory() as ckpt_dir:
-            local = Path(tempfile.mkdtemp(prefix="drafter_resume_"))
-            for f in Path(ckpt_dir).iterdir():
-                (local / f.name).write_bytes(f.read_bytes())
-        train_loop(cfg, config["target_dir"], config["out_dir"], rows_fn, vocab, resume_from=local, **common)
+        return
+    with tempfile.TemporaryDirectory(prefix="drafter_resume_") as local:
+        with resumed.as_directory() as ckpt_dir:  # copy: don't hold Ray's lock for the whole run
+            shutil.copytree(ckpt_dir, local, dirs_exist_ok=True)
+        train_loop(cfg, config["target_dir"], config["out_dir"], rows_fn, vocab, resume_from=Path(local), **common)
 
 
 def _wait_for_committed(run_dir: Path, checkpoint_name: str, timeout_s: float = 120.0) -> None:
