@@ -201,14 +201,16 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
     from transformers import AutoConfig
 
     from pipeline.extract import HiddenStateExtractor, bytes_per_token, read_extract_stats
-    from training.config import resolve_aux_layer_ids
+    from training.config import DraftTrainConfig, resolve_aux_layer_ids
 
     samples_dir = out / "samples"
     if not any(samples_dir.glob("*.parquet")):
         return {"skipped": "no passed samples to train on"}
     tcfg, ex = cfg.training, cfg.extraction
+    if tcfg is None and ex.mode == "stream":
+        return {"skipped": "training is off and extraction streams into training: nothing to extract"}
     target_cfg = AutoConfig.from_pretrained(cfg.model.path)
-    aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg, target_cfg.num_hidden_layers)
+    aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg.num_hidden_layers)
     stats_dir = out / "extract_stats"
     extractor_kwargs = {"backend": ex.backend, "dtype": ex.dtype, "device_map": ex.device_map,
                         "vllm_options": ex.vllm, "stats_dir": str(stats_dir)}

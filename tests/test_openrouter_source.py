@@ -55,7 +55,8 @@ def source_cfg(url: str, **over) -> OpenRouterSourceConfig:
     base = dict(model="tiny/deepseek-tiny", base_url=url, api_key_env=KEY_ENV, max_attempts=4,
                 backoff_base_s=0.01, backoff_max_s=0.1, max_retry_after_s=0.2, request_timeout_s=0.6,
                 health={"window": 20, "min_requests": 8, "max_error_rate": 0.5, "max_invalid_rate": 0.3},
-                sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 64, "seed": 0})
+                sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 64, "seed": 0},
+                tune_gc=False)  # process-wide GC settings are for actors, not the test process
     base.update(over)
     return OpenRouterSourceConfig.model_validate(base)
 
@@ -214,7 +215,7 @@ def test_ray_actor_pool_with_shared_ledger(ray_session, tmp_path):
     try:
         rows = prompt_rows(80, "big", markers={0: "400", 1: "echo-key", 2: "always-502"}) + prompt_rows(40, "small")
         cfg = source_cfg(url, num_actors=2, num_cpus=0.25, batch_size=16, max_in_flight=64,
-                         budgets={"small": 10 * 64}, default_budget=None)
+                         budgets={"small": 10 * 64}, default_budget=None, tune_gc=True)
         ledger = ledger_for(cfg, strict=True)
         ds = ray.data.from_items(rows)
         out = map_openrouter(ds, cfg, "deepseek", None, ledger).take_all()

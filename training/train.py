@@ -93,8 +93,9 @@ class TargetIdsCache:
         key = row.get("sample_id")
 
         def compute(final: np.ndarray) -> np.ndarray:
-            if key is not None and key in self.cache:
-                return self.cache[key]
+            hit = self.cache.get(str(key)) if key is not None else None
+            if hit is not None and hit.shape[0] == final.shape[0]:
+                return hit
             ids = greedy_ids(torch.from_numpy(final).to(self.device), self.lm_head).cpu().numpy()
             if key is not None:
                 self.cache[str(key)] = ids
@@ -130,6 +131,8 @@ def batch_stream(
 def _step_metrics(
     step: int, out: TTTOutput, lr: float, grad_norm: float, tokens: int, seconds: float, epoch: int
 ) -> dict:
+    """One JSONL record: loss/acc per TTT step, lr, grad norm, real tokens and tokens/s of this
+    worker (wall time of the step including fetching and packing its batch)."""
     m = {"step": step, "epoch": epoch, "loss": float(out.loss.detach()), "lr": lr,
          "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9)}
     for k, (lk, ak) in enumerate(zip(out.step_losses, out.step_accs, strict=True)):
@@ -192,6 +195,7 @@ def train_loop(
     metrics: dict = {}
     objective.train()
     while state.step < cfg.steps:
+        t_data = time.perf_counter()
         epoch, index, batch = next(stream)
         t0 = time.perf_counter()
         batch = batch.to(device)
@@ -206,7 +210,8 @@ def train_loop(
             torch.cuda.synchronize(device)
         state = LoopState(step=state.step + 1, epoch=epoch, batch_in_epoch=index + 1)
         metrics = _step_metrics(state.step, out, scheduler.get_last_lr()[0], grad_norm,
-                                batch.num_tokens, time.perf_counter() - t0, epoch)
+                                batch.num_tokens, time.perf_counter() - t_data, epoch)
+        metrics["data_s"] = t0 - t_data
         if rank == 0:
             with log_path.open("a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
