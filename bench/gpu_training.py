@@ -138,7 +138,7 @@ def main() -> None:
         opt.step()
         sync()
         dt = time.perf_counter() - t0
-        log.append({"step": step, "loss": float(out.loss), "acc": out.step_accs, "ms": dt * 1e3,
+        log.append({"step": step, "loss": out.loss.item(), "acc": out.step_accs, "ms": dt * 1e3,
                     "tok_s": batch.num_tokens / dt, "grad_norm": grad_norm})
         if step % 5 == 0 or step == 1:
             accs = " ".join(f"{a:.2f}" for a in out.step_accs)

@@ -14,7 +14,9 @@ still counted (``overrun``) and reported.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -230,12 +232,34 @@ class Ledger:
 
     def __init__(self, budgets: Mapping[str, int | None] | None = None, *, default_budget: int | None = None,
                  health: HealthPolicy | None = None, strict: bool = False,
-                 spent: Mapping[str, int] | None = None) -> None:
+                 spent: Mapping[str, int] | None = None, journal: str | None = None) -> None:
         self.budget = BudgetLedger(budgets, default_budget=default_budget, strict=strict)
         self.health = ProviderHealth(health)
         self.settles = 0
+        self.journal = journal
+        spent = dict(spent or {})
+        for dataset, committed in read_journal(journal).items():
+            spent[dataset] = max(spent.get(dataset, 0), committed)
         if spent:
             self.budget.restore(spent)
+        self._write_journal()
+
+    def _write_journal(self) -> None:
+        """Persist spent + reserved per dataset before any granted request can be sent.
+
+        A run killed with requests in flight may have been billed for them without writing
+        their samples; counting every outstanding reservation as spent on restore means a
+        resumed run can never push the provider's bill past the budget.
+        """
+        if not self.journal:
+            return
+        committed = {name: a.spent + a.reserved for name, a in self.budget.accounts.items()}
+        tmp = f"{self.journal}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(committed, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.journal)
 
     def apply(self, ops: Iterable[Op]) -> tuple[list[Any], tuple[str, ...]]:
         """Run ops in order; returns their results and the providers excluded so far."""
@@ -250,6 +274,7 @@ class Ledger:
                 results.append(self.release(*op[1:]))
             else:
                 raise ValueError(f"unknown ledger op {kind!r}")
+        self._write_journal()
         return results, self.health.excluded
 
     def settle(self, dataset: str, reserved: int, billed: int, cost: float, provider: str, outcome: Outcome,
@@ -275,6 +300,14 @@ class Ledger:
                 "settles": self.settles}
 
 
+def read_journal(path: str | None) -> dict[str, int]:
+    """Committed tokens (spent + in flight) per dataset from a ledger journal; empty when absent."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {k: int(v) for k, v in json.load(f).items()}
+
+
 def spent_from_samples(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """Billed completion tokens per dataset in already-written samples (for :meth:`Ledger.restore`).
 
@@ -291,11 +324,12 @@ def spent_from_samples(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 def create_ledger(budgets: Mapping[str, int | None] | None = None, *, name: str | None = None,
                   default_budget: int | None = None, health: HealthPolicy | None = None,
-                  strict: bool = False, spent: Mapping[str, int] | None = None) -> Any:
+                  strict: bool = False, spent: Mapping[str, int] | None = None, journal: str | None = None) -> Any:
     """Start the shared ledger as a Ray actor (no CPU reserved; calls run one at a time)."""
     import ray
 
     actor_cls = ray.remote(num_cpus=0, max_concurrency=1)(Ledger)
     if name:
         actor_cls = actor_cls.options(name=name, get_if_exists=True)
-    return actor_cls.remote(budgets, default_budget=default_budget, health=health, strict=strict, spent=spent)
+    return actor_cls.remote(budgets, default_budget=default_budget, health=health, strict=strict, spent=spent,
+                            journal=journal)

@@ -421,6 +421,8 @@ class OpenRouterLikeServer:
         elif fault == "native-error":
             native = "error"
         cost = billed * self.cfg.price_per_token * (1 + self.cfg.providers.index(provider))
+        # What the "provider" billed, including responses the client never reads (killed mid-flight).
+        self.counts["billed_completion_tokens"] = self.counts.get("billed_completion_tokens", 0) + billed
         payload = chat_result(gen_id, str(body.get("model") or self.cfg.model_name), provider, gen, billed, cost,
                               int(time.time()), native)
         if fault == "200-error":

@@ -130,13 +130,18 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path, ledgers: 
 
 
 def create_ledgers(cfg: RunConfig, out: Path) -> dict[str, Any]:
-    """One budget ledger per API source, restored from what earlier attempts already spent."""
+    """One budget ledger per API source, restored from what earlier attempts already spent.
+
+    Restored spend is the larger of what written samples were billed and what the ledger's journal
+    had committed (spent + in flight) when the last attempt stopped.
+    """
     from pipeline.sources.openrouter import ledger_for
 
     ledgers = {}
     for src in cfg.sources:
         if src.kind == "openrouter":
-            ledgers[src.name] = ledger_for(src, spent=spent_by_dataset(out, src.name))
+            journal = out / f"ledger-{src.name}.json"
+            ledgers[src.name] = ledger_for(src, spent=spent_by_dataset(out, src.name), journal=str(journal))
     return ledgers
 
 

@@ -148,3 +148,17 @@ def test_spent_from_samples():
     rows = [{"dataset": "a", "billed_completion_tokens": 5}, {"dataset": "a", "billed_completion_tokens": -1},
             {"dataset": "b", "billed_completion_tokens": 7}, {"dataset": "a", "billed_completion_tokens": 2}]
     assert spent_from_samples(rows) == {"a": 7, "b": 7}
+
+
+def test_journal_counts_in_flight_reservations_as_spent_on_restore(tmp_path):
+    from pipeline.ledger import Ledger, read_journal
+
+    journal = str(tmp_path / "ledger.json")
+    first = Ledger({"d": 100}, journal=journal)
+    first.apply([("reserve", "d", 30), ("reserve", "d", 30)])
+    first.apply([("settle", "d", 30, 10, 0.0, "p", "ok", 0)])
+    assert read_journal(journal) == {"d": 10 + 30}  # one request still in flight when "killed"
+    second = Ledger({"d": 100}, journal=journal, spent={"d": 10})
+    assert second.budget.remaining("d") == 60
+    assert second.apply([("reserve", "d", 61)])[0] == ["exhausted"]
+    assert second.apply([("reserve", "d", 60)])[0] == ["granted"]

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -27,7 +28,7 @@ MAX_TOKENS = 24
 def api_server(tmp_path: Path):
     """The local OpenRouter-compatible server (canned answers after 300 ms), on loopback."""
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve-openrouter", "--host", "127.0.0.1",
-                             "--port", "0", "--no-model", "--delay-ms", "300"],
+                             "--port", "0", "--no-model", "--delay-ms", "300", "--providers", "solo"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()
     assert line.startswith("READY "), line
@@ -95,3 +96,9 @@ def test_killed_driver_resumes_exactly_once_without_overspend(ray_head, tmp_path
         spent[q["dataset"]] += max(json.loads(q["detail"]).get("billed_completion_tokens") or 0, 0)
     for dataset, budget in budgets.items():
         assert spent[dataset] <= budget, (dataset, spent[dataset], budget)
+    # The server's own bill counts requests killed in flight too: still within the total budget.
+    with urllib.request.urlopen(api_server + "/stats") as resp:
+        billed_by_server = json.load(resp)["counts"]["billed_completion_tokens"]
+    assert billed_by_server <= sum(budgets.values())
+    journal = json.loads((out / "ledger-api.json").read_text())
+    assert all(journal[d] <= budgets[d] for d in budgets)

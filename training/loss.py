@@ -4,7 +4,8 @@ Alignment (same as vLLM's proposer and SpecForge's `padding(..., left=False)` sh
 a document at TTT step k (k = 0..K-1) uses
   * hidden: step 0 -> fc(aux_hidden[t]); step k -> the draft's pre-norm output at t from step k-1
   * token:  input_ids[t + k + 1]          (step 0: the token that follows the hidden's position)
-  * position id: t + k                     (vLLM advances positions by one per draft step)
+  * position id: t + k                     (vLLM advances positions by one per draft step;
+                                            SpecForge adds the number of cached steps likewise)
 and predicts token t + k + 2, whose teacher is the target distribution at position t + k + 1,
 softmax(final_hidden[t + k + 1] @ lm_head[draft ids].T), i.e. restricted to the draft vocab.
 So at step 0, h_t and the embedding of token t+1 predict token t+2.

@@ -57,10 +57,10 @@ def read_api_key(cfg: OpenRouterSourceConfig) -> Secret:
 
 
 def ledger_for(cfg: OpenRouterSourceConfig, *, spent: Mapping[str, int] | None = None, name: str | None = None,
-               strict: bool = False) -> Any:
-    """The shared ledger Ray actor for this source's budgets and health policy."""
+               strict: bool = False, journal: str | None = None) -> Any:
+    """The shared ledger Ray actor for this source's budgets and health policy (journaled when given a path)."""
     return create_ledger(cfg.budgets, name=name, default_budget=cfg.default_budget, health=cfg.health.policy(),
-                         strict=strict, spent=spent)
+                         strict=strict, spent=spent, journal=journal)
 
 
 def rows_of(batch: Any) -> list[dict[str, Any]]:
