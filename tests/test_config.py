@@ -156,7 +156,7 @@ def test_unknown_key_is_named(workdir, cfg, key):
         (_edit(model__build_tiny="sometimes"), "model.build_tiny"),
         (_edit(datasets="chat.jsonl"), "datasets"),
         (_edit(datasets=[]), "datasets"),
-        (_edit(sources__0__kind="sglang"), "sources.0"),
+        (_edit(sources__0__kind="tgi"), "sources.0"),
         (_edit(datasets__0__checks={"repetition": "explode"}), "datasets.0.checks.repetition"),
         (_edit(training__aux_layer_ids=[3, 2, 1]), "training.aux_layer_ids"),
     ],

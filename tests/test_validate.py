@@ -122,12 +122,20 @@ def test_clean_samples_pass_every_check() -> None:
         assert set(v.ran) == expected
 
 
+def _special(text: str) -> bool:
+    return any(sp in text for sp in P.special_ids)
+
+
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(reasoning=st.text(st.characters(blacklist_categories=("Cs",)), max_size=200),
+@given(reasoning=st.text(st.characters(blacklist_categories=("Cs",)), max_size=200).filter(lambda t: not _special(t)),
        content=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=200)
-       .filter(lambda t: t.strip()))
+       .filter(lambda t: t.strip() and not _special(t)))
 def test_rebuilt_text_is_never_a_structural_or_roundtrip_failure(reasoning: str, content: str) -> None:
-    """Any text a provider returns rebuilds into ids that are structurally sound and canonical."""
+    """Any plain text a provider returns rebuilds into ids that are structurally sound and canonical.
+
+    Text holding special-token strings (a leaked tool-call marker) is excluded: catching it is the
+    job of the structure and tool-semantics checks, tested below.
+    """
     s = api_sample("h-1", reasoning, content)
     assert fired(s) & {"structure", "roundtrip", "tool_semantics", "billing"} == set()
 
