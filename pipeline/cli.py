@@ -39,8 +39,8 @@ def _check(args: argparse.Namespace) -> int:
 def _build_tiny(args: argparse.Namespace) -> int:
     from pipeline.tiny_model import build_tiny_target, weights_digest
 
-    out = build_tiny_target(args.out, force=args.force)
-    print(f"tiny target at {out} (weights sha256 {weights_digest(out)})")
+    out = build_tiny_target(args.out, variant=args.variant, force=args.force)
+    print(f"tiny target ({args.variant}) at {out} (weights sha256 {weights_digest(out)})")
     return 0
 
 
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_check)
     p = sub.add_parser("build-tiny", help="build the tiny CPU target model folder")
     p.add_argument("out")
+    p.add_argument("--variant", choices=["well-formed", "wild"], default="well-formed",
+                   help="well-formed: clean reasoning-model behaviour; wild: random format tokens")
     p.add_argument("--force", action="store_true")
     p.set_defaults(fn=_build_tiny)
     sub.add_parser("audit", help="audit sample shards (see `audit --help`)")

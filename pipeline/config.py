@@ -23,6 +23,9 @@ class ModelConfig(Strict):
     profile: Literal["deepseek", "qwen3", "kimi-k2.5"] = "deepseek"
     path: str | None = None
     build_tiny: bool = False  # build the tiny CPU target at `path` when it is absent
+    # Which tiny target: "well-formed" behaves like a trained reasoning model (a clean run passes every
+    # check); "wild" writes </think>, end-of-turn and tool markers at random (the checks' hard cases).
+    tiny_variant: Literal["well-formed", "wild"] = "well-formed"
 
 
 class SamplingConfig(Strict):

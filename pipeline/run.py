@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from pipeline.audit import AuditAccumulator, summary_lines
 from pipeline.config import ChecksConfig, RunConfig
 from pipeline.datasets import load_dataset
-from pipeline.records import QUARANTINE_SCHEMA
+from pipeline.records import QUARANTINE_SCHEMA, quarantine_row
 from pipeline.stages import FLIGHT_SCHEMA, RenderPrompts, ValidateSamples, WriteShards, _atomic_write, shard_name
 from pipeline.validate import Verdict, assert_conservation
 
@@ -68,7 +68,10 @@ def read_prompts(cfg: RunConfig, out: Path) -> tuple[list[dict[str, Any]], Count
     if bad_rows:
         qdir = out / "quarantine"
         qdir.mkdir(parents=True, exist_ok=True)
-        table = pa.Table.from_pylist(bad_rows, schema=QUARANTINE_SCHEMA)
+        # quarantine_row keeps the offending line (``raw``) in the detail column
+        q = [quarantine_row({k: v for k, v in b.items() if k not in ("stage", "reason")}, b["stage"], b["reason"])
+             for b in bad_rows]
+        table = pa.Table.from_pylist(q, schema=QUARANTINE_SCHEMA)
         _atomic_write(table, qdir / shard_name([b["sample_id"] for b in bad_rows]))
     counts["resumed_done"] = len(done)
     return prompts, counts
@@ -114,6 +117,7 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path, ledgers: 
         rerouted = []
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             for row in batch.to_pylist():
+                tally.note_start_failure(row)
                 if row["status"] == "reroute":
                     rerouted.append(row)
                 else:
@@ -172,6 +176,7 @@ class Tally:
         self.cost = 0.0
         self.t0 = self.last = time.perf_counter()
         self.printed = -1
+        self.start_errors: dict[str, str] = {}  # source -> why its engine did not start (from row reasons)
 
     @property
     def done(self) -> int:
@@ -187,6 +192,14 @@ class Tally:
                               flagged={k: details.get(k, "") for k in row["checks_flagged"]},
                               ran=list(row["checks_ran"]))
             self.audit.add(row, verdict)
+
+    def note_start_failure(self, row: dict[str, Any]) -> None:
+        """Remember a source whose engine failed to start, as its re-routed or quarantined rows tell it."""
+        from pipeline.sources.vllm_source import start_failure
+
+        failed = start_failure(row)
+        if failed:
+            self.start_errors.setdefault(*failed)
 
     def progress(self, final: bool = False) -> None:
         now = time.perf_counter()
@@ -290,6 +303,11 @@ def summarize(tally: Tally, counts: Counter, out: Path) -> dict[str, Any]:
     }
 
 
+def source_report(sources: list[Any], start_errors: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per configured source: its kind and, when its engine failed to start this attempt, why."""
+    return {s.name: {"kind": s.kind, "start_error": start_errors.get(s.name)} for s in sources}
+
+
 def _ledger_report(ledger: Any) -> dict[str, Any]:
     import ray
 
@@ -318,7 +336,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if cfg.model.build_tiny:
         from pipeline.tiny_model import build_tiny_target
 
-        build_tiny_target(cfg.model.path)
+        build_tiny_target(cfg.model.path, variant=cfg.model.tiny_variant)
     t0 = time.perf_counter()
     init_ray(cfg)
     timings.add("ray_init", t0)
@@ -333,6 +351,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     report: dict[str, Any] = summarize(tally, counts, out)
     assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
     report["spend"] = {name: _ledger_report(ledger) for name, ledger in ledgers.items()}
+    report["sources"] = source_report(cfg.sources, tally.start_errors)
     report["training"] = extract_and_train(cfg, out, timings)
     timings.add("total", t_all)
     report["seconds"] = timings.seconds
@@ -363,6 +382,10 @@ def format_report(r: dict[str, Any], out: Path) -> str:
     if r["audit"]["samples"]:
         lines.append("  audit (this attempt):")
         lines += [f"    {line}" for line in summary_lines(r["audit"])]
+    for name, src in (r.get("sources") or {}).items():
+        if src.get("start_error"):
+            lines.append(f"  source {name} failed to start (its prompts re-routed or quarantined): "
+                         f"{src['start_error'][:200]}")
     for name, spend in (r.get("spend") or {}).items():
         lines.append(f"  spend {name}: {json.dumps(spend.get('datasets', spend), default=str)[:300]}")
     t = r.get("training") or {}

@@ -1,8 +1,8 @@
 """Build the tiny CPU target: a seeded random Llama on the real DeepSeek-V4 tokenizer.
 
 The weights are random, but the model is still a deterministic function of its
-input, so a drafter trained on its outputs can learn it. Two deliberate shapes
-make it a useful stand-in for a reasoning model:
+input, so a drafter trained on its outputs can learn it. Deliberate shapes make
+it a useful stand-in for a reasoning model:
 
 * Weight scales are chosen so that next-token distributions are peaked (a few
   plausible tokens per step) rather than uniform over 129k ids.
@@ -11,7 +11,17 @@ make it a useful stand-in for a reasoning model:
   headers, BOS, padding, unused placeholders) get a large negative bias and are
   never generated; the end-of-turn token, ``</think>`` and the tool-call
   markers get moderate biases so that finished responses, reasoning splits and
-  raw tool-call sections all occur.
+  raw tool-call sections all occur (the ``wild`` variant).
+* The ``well-formed`` variant (the default) behaves like a trained reasoning
+  model instead: two more constant channels carry the current token's state
+  (reasoning, just closed, content) into ``lm_head``. Reasoning tokens and
+  content tokens are disjoint halves of the vocabulary; from a reasoning token
+  the model may write more reasoning or ``</think>``, from ``</think>`` or a
+  content token only content or the end-of-turn token (not right after
+  ``</think>``). So a sampled response holds exactly one ``</think>`` with
+  thinking on, none with thinking off, and never a tool-call marker: a clean
+  run passes every check. The ``wild`` variant feeds the checks and the
+  rebuild oracle their hard cases.
 
 The same call always writes byte-identical ``model.safetensors``.
 """
@@ -35,7 +45,7 @@ HEAD_DIM = 64
 INTERMEDIATE = 384
 VOCAB = 129_280
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
-THINK_END_ID = 128_822
+THINK_ID, THINK_END_ID = 128_821, 128_822
 TOOL_MARKER_IDS = (128_806, 128_807, 128_808, 128_809, 128_814)
 BIAS_CHANNEL = 0
 BIAS_CHANNEL_VALUE = 2.0
@@ -47,8 +57,16 @@ EOS_BIAS = 17.0
 THINK_END_BIAS = 17.5
 TOOL_MARKER_BIAS = 14.5
 
+VARIANTS = ("well-formed", "wild")
+# Well-formed variant: state channels, constant through the layers like the bias channel.
+STATE_CHANNEL = 1  # +value on reasoning tokens and <think>, -value on everything else
+CLOSED_CHANNEL = 2  # +value on </think> only
+NORMAL_VOCAB = 128_000  # ids below are ordinary text pieces; even ids reason, odd ids answer
+CLOSE_LOGIT = 17.5  # </think> after a reasoning token: ~20 reasoning tokens on average
+EOT_LOGIT = 17.5  # end of turn after a content token: ~16 content tokens on average
 
-def tiny_config() -> dict:
+
+def tiny_config(variant: str = "well-formed") -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -74,11 +92,15 @@ def tiny_config() -> dict:
         # Written by this builder, not by an old transformers: without it, transformers 5 mistakes
         # the DeepSeek pre-tokenizer for Mistral's broken regex and warns on every load.
         "transformers_version": "5.0.0",
+        "tiny_target_variant": variant,
     }
 
 
-def _tiny_weights() -> dict[str, torch.Tensor]:
+def _tiny_weights(variant: str = "well-formed") -> dict[str, torch.Tensor]:
     """Seeded weights, built directly so no library init order can change them."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tiny target variant {variant!r} (known: {', '.join(VARIANTS)})")
+    const = [BIAS_CHANNEL] if variant == "wild" else [BIAS_CHANNEL, STATE_CHANNEL, CLOSED_CHANNEL]
     gen = torch.Generator().manual_seed(SEED)
 
     def normal(*shape: int, std: float) -> torch.Tensor:
@@ -100,9 +122,9 @@ def _tiny_weights() -> dict[str, torch.Tensor]:
         w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=h**-0.5)
         w[p + "mlp.up_proj.weight"] = normal(inter, h, std=h**-0.5)
         down = normal(h, inter, std=inter**-0.5)
-        # Nothing writes into the bias channel, so it stays constant.
-        o[BIAS_CHANNEL] = 0.0
-        down[BIAS_CHANNEL] = 0.0
+        # Nothing writes into the constant channels, so they keep their embedding values.
+        o[const] = 0.0
+        down[const] = 0.0
         w[p + "self_attn.o_proj.weight"] = o
         w[p + "mlp.down_proj.weight"] = down
     w["model.norm.weight"] = torch.ones(h)
@@ -120,20 +142,67 @@ def _tiny_weights() -> dict[str, torch.Tensor]:
     # After the final RMSNorm the constant channel reads about FINAL_CHANNEL
     # (measured: the residual stream's rms grows through the layers).
     lm_head[:, BIAS_CHANNEL] = bias / FINAL_CHANNEL
+    if variant == "well-formed":
+        _add_states(embed, lm_head)
     w["lm_head.weight"] = lm_head
     return {k: v.contiguous() for k, v in w.items()}
 
 
-def build_tiny_target(out_dir: str | Path, *, force: bool = False) -> Path:
-    """Write the tiny target model folder (config, safetensors, tokenizer, template)."""
+def _add_states(embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    """Write the well-formed variant's state channels (in place).
+
+    With s = +1 (reasoning) or -1 (otherwise) and c = 1 on ``</think>``, a token's logit gains
+    ``bias + s*a + c*g`` (scaled like the bias channel). Choosing per token (bias, a, g):
+    other-half tokens -> -60, same-half tokens -> 0, ``</think>`` -> CLOSE_LOGIT only from
+    reasoning, end of turn -> EOT_LOGIT only from content.
+    """
+    ids = torch.arange(VOCAB)
+    normal = (ids < NORMAL_VOCAB) & (ids != BOS_ID) & (ids != EOS_ID) & (ids != PAD_ID)
+    reasoning = normal & (ids % 2 == 0)
+    embed[:, STATE_CHANNEL] = -BIAS_CHANNEL_VALUE
+    embed[reasoning | (ids == THINK_ID), STATE_CHANNEL] = BIAS_CHANNEL_VALUE
+    embed[:, CLOSED_CHANNEL] = 0.0
+    embed[THINK_END_ID, CLOSED_CHANNEL] = BIAS_CHANNEL_VALUE
+    lo = SUPPRESSED_BIAS
+    bias = torch.full((VOCAB,), lo)
+    a, g = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    bias[normal], a[reasoning], a[normal & ~reasoning] = lo / 2, -lo / 2, lo / 2
+    bias[THINK_END_ID], a[THINK_END_ID] = (CLOSE_LOGIT + lo) / 2, (CLOSE_LOGIT - lo) / 2
+    bias[EOS_ID], a[EOS_ID], g[EOS_ID] = (EOT_LOGIT + lo) / 2, (lo - EOT_LOGIT) / 2, lo - EOT_LOGIT
+    lm_head[:, BIAS_CHANNEL] = bias / FINAL_CHANNEL
+    lm_head[:, STATE_CHANNEL] = a / FINAL_CHANNEL
+    lm_head[:, CLOSED_CHANNEL] = g / FINAL_CHANNEL
+
+
+def built_variant(model_dir: str | Path) -> str | None:
+    """The variant a folder holds (None: no complete model there).
+
+    Raises rather than let a rebuild overwrite a folder that holds some other model.
+    """
+    out = Path(model_dir)
+    if not (out / "model.safetensors").exists() or not (out / "config.json").exists():
+        return None
+    config = json.loads((out / "config.json").read_text())
+    shape = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
+    if any(config.get(k) != tiny_config()[k] for k in shape):
+        raise ValueError(f"{out} holds a model that is not the tiny target; refusing to overwrite it")
+    return config.get("tiny_target_variant", "wild")  # folders built before variants existed are wild
+
+
+def build_tiny_target(out_dir: str | Path, *, variant: str = "well-formed", force: bool = False) -> Path:
+    """Write the tiny target model folder (config, safetensors, tokenizer, template).
+
+    An existing folder of the same variant is kept; one of another variant is rebuilt.
+    """
     from safetensors.torch import save_file
 
+    weights = _tiny_weights(variant)  # validates the variant before anything is written
     out = Path(out_dir)
     marker = out / "model.safetensors"
-    if marker.exists() and not force:
+    if built_variant(out) == variant and not force:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(tiny_config(), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(tiny_config(variant), indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": True}, indent=2) + "\n"
     )
@@ -144,7 +213,7 @@ def build_tiny_target(out_dir: str | Path, *, force: bool = False) -> Path:
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
     (out / "chat_template.jinja").write_text(DEEPSEEK_CHAT_TEMPLATE)
     tmp = out / "model.safetensors.tmp"
-    save_file(_tiny_weights(), str(tmp), metadata={"format": "pt"})
+    save_file(weights, str(tmp), metadata={"format": "pt"})
     tmp.replace(marker)
     return out
 

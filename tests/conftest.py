@@ -30,9 +30,18 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wild tiny target: random </think>, end-of-turn and tool markers (the checks' hard cases)."""
     from pipeline.tiny_model import build_tiny_target
 
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"), variant="wild")
+
+
+@pytest.fixture(scope="session")
+def clean_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The well-formed tiny target (the quick start's): its sampled responses pass every check."""
+    from pipeline.tiny_model import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("clean-target"), variant="well-formed")
 
 
 def _free_port() -> int:

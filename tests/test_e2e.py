@@ -1,4 +1,9 @@
-"""The walking skeleton end to end: one config, local Ray, vLLM CPU actor, validation, extraction, training."""
+"""The walking skeleton end to end: one config, local Ray, vLLM CPU actor, validation, extraction, training.
+
+The run uses the quick start's well-formed tiny target plus a dataset of malformed input rows: every
+generated sample must pass every quarantining check (a clean model gives clean data), and every
+malformed row must end in quarantine with its reason.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,26 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config import DatasetConfig, load_config
 from pipeline.profiles import load_profile
 from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA
 
 pytestmark = pytest.mark.slow
 
 
+ROWS_IN = 68 + 9  # data/prompts/*.jsonl + tests/data/malformed_messages.jsonl
+MALFORMED = 7  # rows of the malformed file that cannot be read (tests/test_datasets.py names each reason)
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, repo_root: Path, tiny_target: Path, ray_session):
+def tiny_run(tmp_path_factory, repo_root: Path, clean_target: Path, ray_session):
     from pipeline.run import run
 
     out = tmp_path_factory.mktemp("run")
     cfg = load_config(repo_root / "configs" / "tiny.yaml", base_dir=repo_root)
     cfg.output_dir = str(out)
-    cfg.model.path = str(tiny_target)
+    cfg.model.path = str(clean_target)
+    cfg.datasets.append(DatasetConfig(name="malformed", path=str(repo_root / "tests/data/malformed_messages.jsonl")))
     cfg.sampling.max_tokens = 64
     cfg.training.steps = 12
     cfg.training.checkpoint_every = 6
@@ -37,14 +47,43 @@ def _read(folder: Path):
 def test_every_row_ends_passed_or_quarantined(tiny_run):
     cfg, out, report = tiny_run
     samples, quarantine = _read(out / "samples"), _read(out / "quarantine")
-    assert report["rows_in"] == 68
-    assert len(samples) + len(quarantine) == 68
+    assert report["rows_in"] == ROWS_IN
+    assert len(samples) + len(quarantine) == ROWS_IN
     ids = [r["sample_id"] for r in samples] + [r["sample_id"] for r in quarantine]
-    assert len(set(ids)) == 68
+    assert len(set(ids)) == ROWS_IN
     assert report["passed"] == len(samples) and report["quarantined"] == len(quarantine)
-    assert samples, "the tiny target should pass some samples"
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk["passed"] == report["passed"]
+
+
+def test_clean_target_passes_every_check_and_only_malformed_rows_are_quarantined(tiny_run):
+    _, out, report = tiny_run
+    assert report["passed"] == ROWS_IN - MALFORMED
+    assert report["quarantine_by_stage"] == {"read": MALFORMED}
+    assert {q["dataset"] for q in _read(out / "quarantine")} == {"malformed"}
+    audit = report["audit"]
+    assert audit["samples"] == ROWS_IN - MALFORMED and audit["quarantined"] == 0
+    for name, figures in audit["checks"].items():
+        assert figures["failed"] == 0, (name, figures)
+    assert audit["checks"]["structure"]["checked"] == audit["checks"]["repetition"]["checked"] == audit["samples"]
+    # thinking on: one </think> in every finished response; thinking off: none
+    profile = load_profile("deepseek")
+    samples = _read(out / "samples")
+    for s in samples:
+        if not s["truncated"]:
+            assert s["output_ids"].count(profile.think_end_id) == int(s["thinking"]), s["sample_id"]
+    assert sum(s["thinking"] for s in samples) > 10
+    assert sum(not s["thinking"] for s in samples) >= 5  # prompts that end with a tool result
+
+
+def test_audit_of_the_clean_run_passes_its_gate(tiny_run, tmp_path):
+    from pipeline.audit import main as audit_main
+
+    _, out, report = tiny_run
+    assert audit_main([str(out / "samples"), "--json", str(tmp_path / "audit.json")]) == 0
+    again = json.loads((tmp_path / "audit.json").read_text())
+    assert again["samples"] == report["passed"]
+    assert {k: v["failed"] for k, v in again["checks"].items()} == {k: 0 for k in again["checks"]}
 
 
 def test_shards_have_the_documented_schema(tiny_run):
@@ -55,9 +94,9 @@ def test_shards_have_the_documented_schema(tiny_run):
         assert pq.read_schema(f).names == QUARANTINE_SCHEMA.names
 
 
-def test_samples_hold_exact_engine_ids_and_checks(tiny_run, tiny_target):
+def test_samples_hold_exact_engine_ids_and_checks(tiny_run, clean_target):
     cfg, out, _ = tiny_run
-    profile = load_profile("deepseek", str(tiny_target))
+    profile = load_profile("deepseek", str(clean_target))
     for s in _read(out / "samples"):
         messages = json.loads(s["messages"])
         tools = json.loads(s["tools"]) if s["tools"] else None
@@ -74,11 +113,11 @@ def test_samples_hold_exact_engine_ids_and_checks(tiny_run, tiny_target):
 
 def test_quarantine_rows_carry_reasons(tiny_run):
     _, out, _ = tiny_run
-    for q in _read(out / "quarantine"):
-        assert q["reason"] and q["stage"] in {"read", "render", "generate", "validate", "extract"}
-        detail = json.loads(q["detail"])
-        if q["stage"] == "validate":
-            assert detail["checks_failed"]
+    quarantine = _read(out / "quarantine")
+    assert len(quarantine) == MALFORMED
+    for q in quarantine:
+        assert q["stage"] == "read" and q["reason"].startswith("malformed row: ")
+        assert json.loads(q["detail"])["raw"], q  # the offending line is kept for the data team
 
 
 def test_drafter_is_trained_and_exported(tiny_run):
@@ -96,4 +135,4 @@ def test_rerun_resumes_without_regenerating(tiny_run):
     cfg, out, report = tiny_run
     prompts, counts = read_prompts(cfg, out)
     assert prompts == []
-    assert counts["resumed_done"] == len(finished_ids(out)) == 68
+    assert counts["resumed_done"] == len(finished_ids(out)) == ROWS_IN

@@ -1,13 +1,16 @@
 """Local engine sources on the tiny target: exact ids, per-sample seeds, failures that lose no row.
 
 Uses the session's one vLLM engine (``tiny_llm``) handed to the source stage,
-and a transformers model; no further vLLM engine is started.
+and a transformers model; no further vLLM engine is started. An engine that
+fails to start is checked on a model folder holding only a tokenizer.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -16,8 +19,8 @@ from pipeline.config import DatasetConfig
 from pipeline.datasets import load_dataset
 from pipeline.router import RoutingConfig, build_router
 from pipeline.sources.transformers_source import TransformersGenerator
-from pipeline.sources.vllm_source import VLLMGenerator
-from pipeline.stages import RenderPrompts, batch_to_rows, rows_to_table
+from pipeline.sources.vllm_source import START_FAILED, VLLMGenerator, start_error_text, start_failure
+from pipeline.stages import FLIGHT_SCHEMA, RenderPrompts, batch_to_rows, rows_to_table
 
 pytestmark = pytest.mark.slow
 
@@ -73,8 +76,6 @@ def test_vllm_stage_keeps_exact_ids_and_isolates_a_bad_prompt(tiny_llm, tiny_tar
 
 
 def test_vllm_failure_is_rerouted_when_the_router_names_a_next_source(tiny_llm, tiny_target, flight_rows):
-    from types import SimpleNamespace
-
     sources = [SimpleNamespace(name="vllm-cpu", kind="vllm"), SimpleNamespace(name="api", kind="openrouter")]
     router = build_router(sources, [SimpleNamespace(name="chat", sources=None)], RoutingConfig(), 10)
     base = fresh(flight_rows[:1])[0]
@@ -118,3 +119,50 @@ def test_transformers_seeds_and_context_limit(tiny_target, flight_rows):
     short = TransformersGenerator(str(tiny_target), "deepseek", SAMPLED, {**ENGINE, "max_model_len": 8}, "hf")
     out = short(rows_to_table(fresh(rows))).to_pylist()
     assert all(r["status"] == "quarantine" and "does not fit max_model_len 8" in r["reason"] for r in out)
+
+
+def test_engine_that_fails_to_start_fails_over_its_rows_not_the_run(tmp_path):
+    from pipeline.profiles.deepseek import deepseek_tokenizer_dir
+
+    folder = tmp_path / "no-weights"  # the profile loads (tokenizer), the engine does not (no config, no weights)
+    folder.mkdir()
+    shutil.copy(deepseek_tokenizer_dir() / "tokenizer.json", folder)
+    sources = [SimpleNamespace(name="hf", kind="transformers"), SimpleNamespace(name="api", kind="openrouter")]
+    router = build_router(sources, [SimpleNamespace(name="chat", sources=None)], RoutingConfig(), 10)
+    rows = []
+    for i in range(8):
+        row = dict.fromkeys(FLIGHT_SCHEMA.names)
+        row.update(sample_id=f"chat:{i}:h", dataset="chat", row_index=i, messages="[]", tools="", thinking=True,
+                   prompt_ids=[1, 2, 3], status="ok", stage="", reason="")
+        rows.append(dict(row, source=router.route(row)))
+    assert {r["source"] for r in rows} == {"hf", "api"}
+
+    with pytest.raises(Exception) as raised:  # on_error raise keeps the old contract: the actor dies, Ray decides
+        TransformersGenerator(str(folder), "deepseek", GREEDY, {**ENGINE, "on_error": "raise"}, "hf")
+    stage = TransformersGenerator(str(folder), "deepseek", GREEDY, ENGINE, "hf", router=router)
+    assert stage.start_error == start_error_text(raised.value) and "no-weights" in stage.start_error
+    out = stage(rows_to_table(rows)).to_pylist()
+    assert [r["sample_id"] for r in out] == [r["sample_id"] for r in rows]  # nothing dropped
+    for before, r in zip(rows, out, strict=True):
+        assert r["output_ids"] is None
+        if before["source"] == "hf":  # handed on, reason naming the start failure
+            assert (r["status"], r["stage"], r["source"]) == ("reroute", "generate", "api")
+            assert r["reason"] == f"hf: {START_FAILED}: {stage.start_error}"
+            assert start_failure(r) == ("hf", stage.start_error)
+        else:  # another source's row passes untouched
+            assert (r["status"], r["source"], r["reason"]) == ("ok", "api", "")
+            assert start_failure(r) is None
+
+    alone = TransformersGenerator(str(folder), "deepseek", GREEDY, ENGINE, "hf")  # no next source: quarantine
+    out = alone(rows_to_table([dict(r, source="hf") for r in rows])).to_pylist()
+    assert all((r["status"], r["stage"], r["source"]) == ("quarantine", "generate", "hf") for r in out)
+    assert all(r["reason"] == f"{START_FAILED}: {alone.start_error}" for r in out)
+    assert start_failure(out[0]) == ("hf", alone.start_error)
+
+
+def test_start_errors_are_one_capped_line_without_tokens(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_s3cretvalue")
+    err = OSError("401 for https://hf.co/x with token hf_s3cretvalue\n  header Bearer abc.def " + "x" * 2000)
+    text = start_error_text(err)
+    assert text.startswith("OSError: 401 for") and "\n" not in text and len(text) <= 500
+    assert "hf_s3cretvalue" not in text and "abc.def" not in text

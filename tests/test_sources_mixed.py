@@ -3,7 +3,8 @@ OpenRouter-compatible server (transformers backend). Every prompt is served exac
 router named (or, when that source fails, by the next one), and with greedy decoding the actor's ids equal
 those of the same engine called outside Ray (``tiny_llm``).
 
-Starts one vLLM engine (the actor) besides the session's ``tiny_llm``.
+Starts one vLLM engine (the actor) besides the session's ``tiny_llm``. A second, vLLM-free run checks a
+source whose engine fails to start: its prompts move to the next source, or are quarantined, never lost.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import DatasetConfig, VLLMSourceConfig
+from pipeline.config import ChecksConfig, DatasetConfig, RunConfig, TransformersSourceConfig, VLLMSourceConfig
 from pipeline.datasets import load_dataset
 from pipeline.openrouter_server import ServerConfig, TransformersBackend, serve_in_thread
 from pipeline.profiles import load_profile
-from pipeline.router import RoutingConfig, build_router, map_routed, reroute_overrides
+from pipeline.router import RoutingConfig, SourceRoute, build_router, map_routed, reroute_overrides
 from pipeline.sources.http_config import OpenRouterSourceConfig
 from pipeline.stages import RenderPrompts
 
@@ -117,3 +118,45 @@ def test_actor_ids_equal_the_engine_called_outside_ray(mixed_run, tiny_llm, tiny
     assert api
     for r, ids in api:
         assert profile.decode(r["output_ids"]) == profile.decode(ids), r["sample_id"]
+
+
+def shard_rows(folder: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return [r for f in sorted(folder.glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+
+
+def test_a_source_that_fails_to_start_loses_no_prompt(repo_root, tiny_target, ray_session, tmp_path):
+    from pipeline.run import run
+
+    lenient = ChecksConfig(**dict.fromkeys(("structure", "roundtrip_rebuilt", "tool_semantics", "repetition",
+                                            "max_length"), "flag"))  # the tiny model's text is not the point
+    broken = TransformersSourceConfig(name="hf-broken", dtype="no_such_dtype", num_cpus=0.25, batch_size=4)
+    working = TransformersSourceConfig(name="hf", dtype="float32", num_cpus=0.5, batch_size=4)
+
+    def go(reroute: bool) -> tuple[dict, list[dict], list[dict]]:
+        out = tmp_path / f"reroute-{reroute}"
+        cfg = RunConfig(
+            output_dir=str(out), model={"profile": "deepseek", "path": str(tiny_target)}, training=None,
+            sampling={"temperature": 0.0, "max_tokens": 8},
+            datasets=[DatasetConfig(name="chat", path=str(repo_root / "data/prompts/chat.jsonl"), max_rows=4,
+                                    checks=lenient)],
+            sources=[broken, working],  # every prompt ranks hf-broken first: hf (role overflow) only catches
+            routing=RoutingConfig(reroute=reroute, sources={"hf": SourceRoute(role="overflow")}),
+        )
+        report = run(cfg)
+        return report, shard_rows(out / "samples"), shard_rows(out / "quarantine")
+
+    report, samples, quarantine = go(reroute=True)
+    assert (report["rows_in"], report["passed"], report["quarantined"], report["not_generated"]) == (4, 4, 0, 0)
+    assert not quarantine and {r["source"] for r in samples} == {"hf"} and all(r["output_ids"] for r in samples)
+    error = report["sources"]["hf-broken"]["start_error"]
+    assert error.startswith("AttributeError: ") and "no_such_dtype" in error
+    assert report["sources"]["hf"]["start_error"] is None
+
+    report, samples, quarantine = go(reroute=False)
+    assert (report["rows_in"], report["passed"], report["quarantined"], report["not_generated"]) == (4, 0, 4, 0)
+    assert not samples and len({r["sample_id"] for r in quarantine}) == 4
+    assert all((r["stage"], r["source"]) == ("generate", "hf-broken") for r in quarantine)
+    assert all(r["reason"] == f"engine failed to start: {error}" for r in quarantine)
+    assert report["sources"]["hf-broken"]["start_error"] == error

@@ -101,7 +101,10 @@ def test_engine_and_sampling_arguments():
 
 
 @pytest.mark.skipif(sglang_available(), reason="sglang is installed here")
-def test_missing_sglang_is_a_clear_error_not_an_import_failure():
+def test_missing_sglang_is_a_clear_start_error_not_an_import_failure():
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "seed": 0}
+    stage = SGLangGenerator("/models/tiny", "deepseek", sampling, {}, "sglang-gpu")  # its rows fail over
+    assert stage.start_error.startswith("RuntimeError: ") and "sglang package is not installed" in stage.start_error
+    stage.shutdown()  # no engine: nothing to stop, no error
     with pytest.raises(RuntimeError, match="sglang package is not installed"):
-        SGLangGenerator("/models/tiny", "deepseek", {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "seed": 0},
-                        {}, "sglang-gpu")
+        SGLangGenerator("/models/tiny", "deepseek", sampling, {"on_error": "raise"}, "sglang-gpu")

@@ -49,7 +49,7 @@ def small_drafter(vocab: int = 50, draft_vocab: int = 20, hidden: int = 32, seed
     config.eagle_aux_hidden_state_layer_ids = AUX_IDS
     torch.manual_seed(seed)
     model = Eagle3Drafter(config)
-    ids = torch.arange(0, 2 * draft_vocab, 2)
+    ids = torch.arange(0, 2 * draft_vocab, 2) if 2 * draft_vocab <= vocab else torch.arange(draft_vocab)
     model.d2t.copy_(ids - torch.arange(draft_vocab))
     model.t2d.zero_()
     model.t2d[ids] = True
@@ -303,6 +303,19 @@ def test_export_load_roundtrip(tmp_path, tiny_target, target_parts, tiny_rows):
     assert want.keys() == got.keys()
     for k in want:
         assert torch.equal(want[k], got[k]), k
+
+
+def test_full_vocab_export_omits_identity_mapping(tmp_path):
+    model = small_drafter(vocab=20, draft_vocab=20)
+    model.d2t.zero_()
+    model.t2d.fill_(True)
+    out = export_draft(model, tmp_path / "full", target_config={"rope_theta": 10000.0}, dtype=torch.bfloat16)
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        assert set(fh.keys()) == EXPORT_KEYS - {"d2t", "t2d"}  # vLLM rejects d2t without a reduced vocab
+        assert fh.get_tensor("fc.weight").dtype == torch.bfloat16
+    back = load_exported(out)
+    assert torch.equal(back.d2t, model.d2t) and torch.equal(back.t2d, model.t2d)
+    torch.testing.assert_close(back.fc.weight, model.fc.weight.to(torch.bfloat16).float())
 
 
 def test_walk_acceptance_counts_like_greedy_verification():

@@ -14,9 +14,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from training.config import DraftTrainConfig
+    from training.model import Eagle3Drafter
+    from training.simulate import AcceptanceStats
 
 TINY_TARGET = dict(
     vocab_size=1000,
@@ -139,10 +145,10 @@ class EasyRun:
     target_dir: Path
     train_rows: list[dict]
     held_rows: list[dict]
-    cfg: object  # DraftTrainConfig
-    drafter: object  # Eagle3Drafter
-    untrained: object  # AcceptanceStats on held_rows
-    trained: object  # AcceptanceStats on held_rows
+    cfg: DraftTrainConfig
+    drafter: Eagle3Drafter
+    untrained: AcceptanceStats  # on held_rows
+    trained: AcceptanceStats  # on held_rows
     metrics: dict
 
 

@@ -102,14 +102,17 @@ class SGLangGenerator(EngineSource):
 
     kind = "sglang"
 
-    def __init__(self, model_dir: str, profile: str, sampling: dict[str, Any], engine: dict[str, Any],
-                 source_name: str, router: Any | None = None) -> None:
+    engine: Any = None
+
+    def preflight(self) -> None:
         if not sglang_available():
-            raise RuntimeError(f"source {source_name!r} is kind sglang but the sglang package is not installed "
-                               "where this actor runs (SGLang runs on GPU nodes)")
-        super().__init__(model_dir, profile, sampling, engine, source_name, router)
+            raise RuntimeError(f"source {self.source_name!r} is kind sglang but the sglang package is not "
+                               "installed where this actor runs (SGLang runs on GPU nodes)")
+
+    def start(self, model_dir: str) -> None:
         import sglang
 
+        sampling, engine = self.sampling, self.engine_cfg
         self.seeded = float(sampling["temperature"]) > 0 and engine.get("deterministic") is not False
         self.stops = sorted({int(self.profile.eot_id)})
         self.engine = sglang.Engine(**engine_kwargs(model_dir, engine, int(sampling.get("seed", 0)),
@@ -128,4 +131,5 @@ class SGLangGenerator(EngineSource):
         return [result_from_response(o, per_sample) for o in outs]
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:  # None: the engine never started
+            self.engine.shutdown()

@@ -43,12 +43,11 @@ class TransformersGenerator(EngineSource):
 
     kind = "transformers"
 
-    def __init__(self, model_dir: str, profile: str, sampling: dict[str, Any], engine: dict[str, Any],
-                 source_name: str, router: Any | None = None) -> None:
-        super().__init__(model_dir, profile, sampling, engine, source_name, router)
+    def start(self, model_dir: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
 
+        engine = self.engine_cfg
         self.torch = torch
         use_gpu = float(engine.get("num_gpus", 0)) > 0 and torch.cuda.is_available()
         self.device = "cuda" if use_gpu else "cpu"

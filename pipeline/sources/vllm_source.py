@@ -10,6 +10,13 @@ handed to the next source the router names (status ``reroute``) or quarantined
 at stage ``generate`` with the error. ``on_error: raise`` instead re-raises so
 Ray retries the task (needs ``DataContext.actor_task_retry_on_errors``).
 
+An engine that fails to start (bad model folder, CUDA OOM, package missing)
+does not take the run down: the actor records the error (type and message,
+tokens blanked), logs it once, and fails every row addressed to it with
+reason ``engine failed to start: ...``, so those rows follow the same
+re-route-or-quarantine path. With ``on_error: raise`` the start error is
+raised as before.
+
 GPU placement: ``engine_resources`` gives the ``map_batches`` resource
 arguments. One GPU per actor for tensor_parallel_size 1; for TP > 1 the actor
 itself holds no GPU and gets a placement group of TP bundles
@@ -22,8 +29,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -31,9 +40,14 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.profiles import load_profile
+from pipeline.sources.http_wire import redact
 from pipeline.stages import batch_to_rows, mark, rows_to_table
 
+log = logging.getLogger(__name__)
+
 SERVABLE = ("ok", "reroute")
+START_FAILED = "engine failed to start"
+TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "OPENROUTER_API_KEY")  # blanked out of start errors
 
 
 def request_seed(sample_id: str, seed: int) -> int:
@@ -69,6 +83,22 @@ def fail_row(row: dict[str, Any], reason: str, source_name: str, router: Any | N
     return row
 
 
+def start_error_text(exc: BaseException, limit: int = 500) -> str:
+    """``Type: message`` of a failed engine start: one line, capped, tokens blanked (it is copied into rows)."""
+    text = redact(f"{type(exc).__name__}: {' '.join(str(exc).split())}", [os.environ.get(k) for k in TOKEN_ENV])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def start_failure(row: dict[str, Any]) -> tuple[str, str] | None:
+    """(source, error) when a row's reason says its source failed to start (re-routed or quarantined), else None."""
+    reason = row.get("reason") or ""
+    marker = f"{START_FAILED}: "
+    if reason.startswith(marker):  # quarantined: the row still names the failed source
+        return str(row.get("source") or ""), reason[len(marker):]
+    name, sep, error = reason.partition(f": {marker}")  # re-routed: "<source>: engine failed to start: ..."
+    return (name, error) if sep and name else None
+
+
 @dataclass
 class EngineResult:
     """One engine answer: exact output ids, or the error that replaced them."""
@@ -86,13 +116,12 @@ def sampling_record(sampling: dict[str, Any], sample_id: str) -> str:
 
 
 class EngineSource:
-    """Row plumbing shared by local engines; subclasses start the engine and implement ``generate_rows``."""
+    """Row plumbing shared by local engines; subclasses implement ``start`` and ``generate_rows``."""
 
     kind = "engine"
 
     def __init__(self, model_dir: str, profile: str, sampling: dict[str, Any], engine: dict[str, Any],
                  source_name: str, router: Any | None = None) -> None:
-        self.profile = load_profile(profile, model_dir)
         self.sampling = dict(sampling)
         self.engine_cfg = dict(engine)
         self.source_name = source_name
@@ -101,6 +130,24 @@ class EngineSource:
         self.model_name = os.path.basename(model_dir.rstrip("/"))
         self.on_error = engine.get("on_error", "quarantine")
         self.isolate_errors = bool(engine.get("isolate_errors", True))
+        self.start_error: str | None = None
+        try:
+            self.preflight()
+            self.profile = load_profile(profile, model_dir)
+            self.start(model_dir)
+        except Exception as e:  # a dead engine must cost its rows a re-route, not the whole run
+            if self.on_error == "raise":
+                raise
+            self.start_error = start_error_text(e)
+            log.error("source %r (%s): %s: %s; its rows go to their next source or quarantine\n%s",
+                      source_name, self.kind, START_FAILED, self.start_error,
+                      "".join(traceback.format_tb(e.__traceback__)).rstrip())
+
+    def preflight(self) -> None:
+        """Cheap checks (e.g. the engine package is installed) run first, so the root cause is what is reported."""
+
+    def start(self, model_dir: str) -> None:
+        """Start the engine once per actor; an exception here is recorded as ``start_error`` (see module doc)."""
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
         raise NotImplementedError
@@ -113,6 +160,9 @@ class EngineSource:
         todo = []
         for r in rows:
             if not serves(r, self.source_name):
+                continue
+            if self.start_error is not None:
+                fail_row(r, f"{START_FAILED}: {self.start_error}", self.source_name, self.router)
                 continue
             if len(r["prompt_ids"]) >= self.max_model_len:
                 fail_row(r, f"prompt of {len(r['prompt_ids'])} tokens does not fit max_model_len "
@@ -181,8 +231,12 @@ class VLLMGenerator(EngineSource):
 
     def __init__(self, model_dir: str, profile: str, sampling: dict[str, Any], engine: dict[str, Any],
                  source_name: str, router: Any | None = None, llm: Any | None = None) -> None:
+        self.llm = llm
         super().__init__(model_dir, profile, sampling, engine, source_name, router)
-        self.llm = llm if llm is not None else start_vllm(model_dir, engine, int(sampling.get("seed", 0)))
+
+    def start(self, model_dir: str) -> None:
+        if self.llm is None:
+            self.llm = start_vllm(model_dir, self.engine_cfg, int(self.sampling.get("seed", 0)))
 
     def _params(self, sample_id: str, prompt_len: int) -> Any:
         from vllm import SamplingParams
