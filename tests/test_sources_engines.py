@@ -19,7 +19,13 @@ from pipeline.config import DatasetConfig
 from pipeline.datasets import load_dataset
 from pipeline.router import RoutingConfig, build_router
 from pipeline.sources.transformers_source import TransformersGenerator
-from pipeline.sources.vllm_source import START_FAILED, VLLMGenerator, start_error_text, start_failure
+from pipeline.sources.vllm_source import (
+    START_FAILED,
+    VLLMGenerator,
+    engine_resources,
+    start_error_text,
+    start_failure,
+)
 from pipeline.stages import FLIGHT_SCHEMA, RenderPrompts, batch_to_rows, rows_to_table
 
 pytestmark = pytest.mark.slow
@@ -166,3 +172,24 @@ def test_start_errors_are_one_capped_line_without_tokens(monkeypatch):
     text = start_error_text(err)
     assert text.startswith("OSError: 401 for") and "\n" not in text and len(text) <= 500
     assert "hf_s3cretvalue" not in text and "abc.def" not in text
+
+
+def test_engine_resources_per_tensor_parallel_layout(ray_session):
+    """CPU engines hold CPUs only; one GPU engine holds its GPUs; vLLM TP > 1 gets a STRICT_PACK placement
+    group of TP GPU bundles that its Ray-spawned TP workers join; SGLang's actor holds all TP GPUs itself."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    assert engine_resources({"num_cpus": 1}) == {"num_cpus": 1.0}
+    assert engine_resources({"num_gpus": 1}) == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert engine_resources({"num_gpus": 1, "tp_size": 8}, ray_tp=False) == {"num_cpus": 1.0, "num_gpus": 8.0}
+    tp4 = engine_resources({"num_gpus": 1, "tensor_parallel_size": 4, "num_cpus": 2})
+    assert tp4["num_cpus"] == 0 and tp4["num_gpus"] == 0  # the bundles, not the actor, hold the devices
+    args = tp4["ray_remote_args_fn"]()  # what Ray Data calls for each new actor
+    pg = args["scheduling_strategy"].placement_group
+    try:
+        assert pg.bundle_specs == [{"GPU": 1.0, "CPU": 1.0}] * 4
+        assert args["scheduling_strategy"].placement_group_capture_child_tasks
+        assert ray.util.placement_group_table(pg)["strategy"] == "STRICT_PACK"
+    finally:
+        remove_placement_group(pg)  # a CPU cluster can never place it

@@ -215,6 +215,20 @@ def test_ttt_loss_weights_steps_and_backpropagates_through_the_unroll():
     assert model.embed_tokens.weight.grad is None  # frozen target embeddings
 
 
+def test_teacher_temperature_sharpens_the_target_distribution():
+    model = small_drafter()
+    batch = packed(fake_rows([12, 10]), row_len=24)
+    lm_head_draft = torch.randn(20, 32)
+    plain = ttt_forward(model, batch, lm_head_draft, ttt_steps=2)
+    sharp = ttt_forward(model, batch, lm_head_draft, ttt_steps=2, teacher_temperature=0.25)
+    same = ttt_forward(model, batch, lm_head_draft * 4, ttt_steps=2)  # T = 1/4 == logits x 4
+    assert sharp.step_losses == pytest.approx(same.step_losses, rel=1e-5)
+    assert sharp.step_losses != pytest.approx(plain.step_losses, rel=1e-3)
+    assert sharp.step_accs == plain.step_accs  # accuracy is about argmax, which T does not move
+    with pytest.raises(ValueError):
+        DraftTrainConfig(teacher_temperature=0)
+
+
 # --------------------------------------------------------------------------- vocab
 
 

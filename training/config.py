@@ -23,6 +23,10 @@ class DraftTrainConfig(BaseModel):
     grad_clip: float = Field(0.5, gt=0)
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length")
     step_decay: float = Field(0.8, gt=0, description="loss weight of TTT step k is step_decay**k")
+    teacher_temperature: float = Field(
+        1.0, gt=0, description="the target distribution is softmax(logits / T): 1 is plain distillation; below 1 "
+        "sharpens it toward the target's argmax, which is what greedy verification accepts (helps when the "
+        "target's distributions are flat)")
     draft_vocab_size: int = Field(32000, ge=2, description="clamped to the target vocab size")
     aux_layer_ids: list[int] | None = Field(
         None, description="vLLM convention (input of decoder layer i); None -> [2, L//2, L-3]"

@@ -46,11 +46,12 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int | bool) -> torch.Tenso
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def teacher_logits(final_hidden: torch.Tensor, lm_head_draft: torch.Tensor) -> torch.Tensor:
-    """Target logits restricted to the draft vocab (lm_head rows of the draft ids), in float32
-    even under bf16 autocast: the teacher should not lose precision."""
+def teacher_logits(final_hidden: torch.Tensor, lm_head_draft: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Target logits restricted to the draft vocab (lm_head rows of the draft ids), divided by the
+    teacher temperature, in float32 even under bf16 autocast: the teacher should not lose precision."""
     with torch.autocast(final_hidden.device.type, enabled=False):
-        return final_hidden.float() @ lm_head_draft.float().T
+        logits = final_hidden.float() @ lm_head_draft.float().T
+        return logits if temperature == 1.0 else logits / temperature
 
 
 class _DistillCE(torch.autograd.Function):
@@ -124,6 +125,7 @@ def ttt_forward(
     lm_head_draft: torch.Tensor,
     ttt_steps: int,
     step_decay: float = 0.8,
+    teacher_temperature: float = 1.0,
 ) -> TTTOutput:
     """Unroll `ttt_steps` draft steps over a packed batch and return the weighted loss.
 
@@ -140,7 +142,7 @@ def ttt_forward(
     for k, (view, hidden) in enumerate(unroll(model, batch, in_draft, ttt_steps)):
         rows, cols = view.valid.nonzero(as_tuple=True)
         logits = model.logits(hidden[rows, cols])  # (N, V_d)
-        teacher = teacher_logits(batch.final_hidden[rows, cols + k + 1], lm_head_draft)
+        teacher = teacher_logits(batch.final_hidden[rows, cols + k + 1], lm_head_draft, teacher_temperature)
         loss_k = distill_cross_entropy(logits, teacher)
         total = total + (step_decay**k) * loss_k
         with torch.no_grad():
@@ -155,12 +157,15 @@ def ttt_forward(
 class TTTObjective(torch.nn.Module):
     """nn.Module wrapper so DDP sees the whole TTT unroll as one `forward` call."""
 
-    def __init__(self, drafter: Eagle3Drafter, lm_head_draft: torch.Tensor, ttt_steps: int, step_decay: float):
+    def __init__(self, drafter: Eagle3Drafter, lm_head_draft: torch.Tensor, ttt_steps: int, step_decay: float,
+                 teacher_temperature: float = 1.0):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("lm_head_draft", lm_head_draft, persistent=False)
         self.ttt_steps = ttt_steps
         self.step_decay = step_decay
+        self.teacher_temperature = teacher_temperature
 
     def forward(self, batch: Batch) -> TTTOutput:
-        return ttt_forward(self.drafter, batch, self.lm_head_draft, self.ttt_steps, self.step_decay)
+        return ttt_forward(self.drafter, batch, self.lm_head_draft, self.ttt_steps, self.step_decay,
+                           self.teacher_temperature)

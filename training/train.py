@@ -175,7 +175,8 @@ def train_loop(
     target = load_target_parts(target_dir)
     drafter = prepare_drafter(cfg, target, vocab).to(device)
     lm_head_draft = target.lm_head[vocab.draft_ids].to(device)
-    objective: torch.nn.Module = TTTObjective(drafter, lm_head_draft, cfg.ttt_steps, cfg.step_decay)
+    objective: torch.nn.Module = TTTObjective(drafter, lm_head_draft, cfg.ttt_steps, cfg.step_decay,
+                                              cfg.teacher_temperature)
     if world_size > 1:
         ids = [device.index] if device.type == "cuda" else None
         objective = torch.nn.parallel.DistributedDataParallel(objective, device_ids=ids)
