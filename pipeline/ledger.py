@@ -237,6 +237,7 @@ class Ledger:
         self.health = ProviderHealth(health)
         self.settles = 0
         self.journal = journal
+        self._journaled: dict[str, int] | None = None  # what the journal file holds now
         spent = dict(spent or {})
         for dataset, committed in read_journal(journal).items():
             spent[dataset] = max(spent.get(dataset, 0), committed)
@@ -254,12 +255,15 @@ class Ledger:
         if not self.journal:
             return
         committed = {name: a.spent + a.reserved for name, a in self.budget.accounts.items()}
+        if committed == self._journaled:
+            return  # nothing changed (e.g. health-only ops): skip the fsync on this serialized path
         tmp = f"{self.journal}.tmp"
         with open(tmp, "w") as f:
             json.dump(committed, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.journal)
+        self._journaled = committed
 
     def apply(self, ops: Iterable[Op]) -> tuple[list[Any], tuple[str, ...]]:
         """Run ops in order; returns their results and the providers excluded so far."""
