@@ -104,7 +104,9 @@ def main() -> None:
         print(f"data: {len(rows)} samples x {args.response_tokens} greedy tokens with hidden states "
               f"in {t_data:.0f}s", flush=True)
 
-        cfg = DraftTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_len=256,
+        # one packed row of batch_tokens per step, like the reference: rows of 256 would hold one ~160-token
+        # sample each and train on ~1,200 real tokens per step
+        cfg = DraftTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, max_len=args.batch_tokens,
                                draft_vocab_size=args.draft_vocab, aux_layer_ids=AUX_IDS, ttt_steps=args.ttt,
                                lr=args.lr, warmup_steps=args.warmup, teacher_temperature=args.teacher_temperature,
                                checkpoint_every=10**9, log_every=100)
@@ -119,8 +121,9 @@ def main() -> None:
         t_train = time.perf_counter() - t0
         sim_trained = simulate_acceptance(drafter, held_rows, parts.lm_head, k=args.k)
         trained_dir = export_draft(drafter, work / "trained", target_config=parts.config)
-    train_tokens = args.steps * args.batch_tokens
-    print(f"training: {args.steps} steps x {args.batch_tokens} tokens in {t_train / 60:.1f} min "
+    log = (work / "run" / "metrics.jsonl").read_text().splitlines()
+    train_tokens = sum(json.loads(line)["tokens"] for line in log if line)  # real (unpadded) tokens
+    print(f"training: {args.steps} steps, {train_tokens:,} real tokens in {t_train / 60:.1f} min "
           f"({train_tokens / t_train:,.0f} tokens/s); final metrics "
           f"{ {k: round(v, 3) for k, v in metrics.items() if k.startswith(('acc_', 'loss'))} }", flush=True)
 
@@ -137,6 +140,7 @@ def main() -> None:
         "args": vars(args),
         "data_seconds": t_data,
         "train_seconds": t_train,
+        "train_tokens": train_tokens,
         "train_tokens_per_s": train_tokens / t_train,
         "vllm": measured,
         "simulated": {"untrained": sim_untrained.acceptance_length, "trained": sim_trained.acceptance_length,

@@ -17,9 +17,14 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if args.output_dir:
         cfg.output_dir = args.output_dir
+    from pipeline.manifest import ManifestMismatch
     from pipeline.run import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except ManifestMismatch as e:
+        print(f"refusing to resume: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.extract import capture_metadata
+from training.data import as_float32, from_bf16_bits
 
 FORMAT = "eagle3-hidden-shards/1"
 INDEX = "index.json"
@@ -56,16 +57,12 @@ def to_bf16_bits(a: np.ndarray) -> np.ndarray:
     return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
 
 
-def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 def _stored(a: np.ndarray, dtype: str) -> np.ndarray:
     """An extraction array (float, or bf16 bits as uint16) in the shard's storage dtype."""
     a = np.asarray(a)
     if dtype == "bfloat16":
         return a if a.dtype == np.uint16 else to_bf16_bits(a)
-    return from_bf16_bits(a) if a.dtype == np.uint16 else a.astype(np.float32, copy=False)
+    return as_float32(a)
 
 
 # ----------------------------------------------------------------------------- encode / decode

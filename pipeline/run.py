@@ -11,9 +11,10 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,9 +22,13 @@ import pyarrow.parquet as pq
 from pipeline.audit import AuditAccumulator, summary_lines
 from pipeline.config import ChecksConfig, RunConfig
 from pipeline.datasets import load_dataset
+from pipeline.manifest import check_or_write_manifest
 from pipeline.records import QUARANTINE_SCHEMA, quarantine_row
 from pipeline.stages import FLIGHT_SCHEMA, RenderPrompts, ValidateSamples, WriteShards, _atomic_write, shard_name
 from pipeline.validate import Verdict, assert_conservation
+
+if TYPE_CHECKING:
+    from training.vocab import VocabMapping
 
 log = logging.getLogger("pipeline")
 
@@ -77,6 +82,10 @@ def read_prompts(cfg: RunConfig, out: Path) -> tuple[list[dict[str, Any]], Count
     return prompts, counts
 
 
+def has_finished_rows(out: Path) -> bool:
+    return any(any((out / sub).glob("*.parquet")) for sub in ("samples", "quarantine"))
+
+
 def finished_ids(out: Path) -> set[str]:
     """Sample ids already written as passed or quarantined (a resumed run skips them)."""
     ids: set[str] = set()
@@ -95,6 +104,7 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path, ledgers: 
     import ray.data
 
     from pipeline.router import build_router, map_routed, reroute_overrides
+    from pipeline.sources.vllm_source import release_placement_groups
 
     tally = Tally(len(prompts), cfg.datasets[0].checks)
     if not prompts:
@@ -115,14 +125,17 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path, ledgers: 
         ds = ds.map_batches(WriteShards, fn_constructor_args=(str(out),), batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
         rerouted = []
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            for row in batch.to_pylist():
-                tally.note_start_failure(row)
-                if row["status"] == "reroute":
-                    rerouted.append(row)
-                else:
-                    tally.add(row)
-            tally.progress()
+        try:
+            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                for row in batch.to_pylist():
+                    tally.note_start_failure(row)
+                    if row["status"] == "reroute":
+                        rerouted.append(row)
+                    else:
+                        tally.add(row)
+                tally.progress()
+        finally:
+            release_placement_groups()  # TP > 1 engine actors' GPU bundles outlive the actors
         overrides = reroute_overrides(rerouted)
         todo = [p for p in prompts if p["sample_id"] in overrides]
         if not todo:
@@ -250,7 +263,7 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
             HiddenStateExtractor,
             fn_constructor_args=(cfg.model.path, aux_ids, ex.max_len, ex.too_long, ex.batch_tokens,
                                  str(out / "quarantine")),
-            fn_constructor_kwargs=extractor_kwargs,
+            fn_constructor_kwargs=extractor_kwargs | {"out_dtype": ex.shard_dtype},
             batch_format="pyarrow", batch_size=ex.rows_per_call,
             compute=ray.data.ActorPoolStrategy(size=ex.num_actors), num_cpus=ex.num_cpus, num_gpus=ex.num_gpus,
         )
@@ -263,13 +276,34 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
     else:
         from training.train import train_drafter
 
+        # counted from the samples, not the stream: counting the stream would run the extraction once more
+        vocab = draft_vocab_from_samples(samples_dir, target_cfg.vocab_size, tcfg.draft_vocab_size, ex.max_len,
+                                         ex.too_long) if ex.mode == "stream" else None
         res = train_drafter(ds, tcfg.model_copy(update={"aux_layer_ids": aux_ids}), cfg.model.path,
-                            out / "drafter")
+                            out / "drafter", vocab=vocab)
         timings.add("extract+train" if ex.mode == "stream" else "train", t0)
         result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
                       metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
     result["extraction"] = read_extract_stats(stats_dir) if stats_dir.exists() else {}
     return result
+
+
+def draft_vocab_from_samples(samples_dir: Path, vocab_size: int, draft_vocab_size: int, max_len: int,
+                             too_long: str) -> VocabMapping:
+    """The draft vocabulary over the loss-masked tokens the extraction stage will emit for these samples."""
+    from pipeline.extract import prepare_sample
+    from training.vocab import build_vocab_mapping
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for f in sorted(samples_dir.glob("*.parquet")):
+            table = pq.read_table(f, columns=["prompt_ids", "prompt_assistant_mask", "output_ids"])
+            for r in table.to_pylist():
+                prepared = prepare_sample(r["prompt_ids"], r["prompt_assistant_mask"], r["output_ids"], max_len,
+                                          too_long)
+                if not isinstance(prepared, str):  # a reason: the extraction stage quarantines it
+                    yield {"input_ids": prepared[0], "loss_mask": prepared[1]}
+
+    return build_vocab_mapping(rows(), vocab_size, draft_vocab_size)
 
 
 def summarize(tally: Tally, counts: Counter, out: Path) -> dict[str, Any]:
@@ -337,6 +371,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         from pipeline.tiny_model import build_tiny_target
 
         build_tiny_target(cfg.model.path, variant=cfg.model.tiny_variant)
+    # before Ray starts: a folder written with other settings must fail in a second, not after start-up
+    check_or_write_manifest(cfg, out, has_samples=has_finished_rows(out))
     t0 = time.perf_counter()
     init_ray(cfg)
     timings.add("ray_init", t0)

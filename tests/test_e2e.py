@@ -136,3 +136,24 @@ def test_rerun_resumes_without_regenerating(tiny_run):
     prompts, counts = read_prompts(cfg, out)
     assert prompts == []
     assert counts["resumed_done"] == len(finished_ids(out)) == ROWS_IN
+
+
+def test_rerun_with_other_sampling_or_target_is_refused(tiny_run, tmp_path):
+    """The run's manifest pins what its samples were made with: a resume that would mix two
+    distributions stops before any work, naming each difference, and writes nothing."""
+    from pipeline.manifest import MANIFEST_FILE, ManifestMismatch
+    from pipeline.run import run
+
+    cfg, out, _ = tiny_run
+    before = sorted(p.name for p in (out / "samples").iterdir())
+    hotter = cfg.model_copy(deep=True)
+    hotter.sampling.temperature = 0.7
+    with pytest.raises(ManifestMismatch, match=r"sampling.temperature: 1.0 -> 0.7"):
+        run(hotter)
+    wild = cfg.model_copy(deep=True)
+    wild.model.path = str(tmp_path / "wild")
+    wild.model.tiny_variant = "wild"
+    with pytest.raises(ManifestMismatch, match=r"model.config"):
+        run(wild)
+    assert sorted(p.name for p in (out / "samples").iterdir()) == before
+    assert json.loads((out / MANIFEST_FILE).read_text())["sampling"]["temperature"] == 1.0

@@ -193,3 +193,24 @@ def test_extract_to_shards_resumes_and_feeds_ray_train(tmp_path, tiny_target, ra
     assert int(vocab.t2d.sum()) == 32
     sample = to_sample(next(iter(ds.iter_rows())), 512, lambda f: np.zeros(len(f), np.int64))
     assert sample.aux_hidden.shape[1] == 3 * H and sample.loss_mask.any()
+    # stream mode counts the draft vocab from the samples (the stream is not read for it): same tokens, same
+    # masks, same truncation and quarantine as the extraction stage
+    from pipeline.run import draft_vocab_from_samples
+    from training.vocab import count_loss_masked_tokens
+
+    wide = vocab_from_dataset(ds, 129_280, 256)
+    from_samples = draft_vocab_from_samples(samples, 129_280, 256, 38, "quarantine")
+    assert torch.equal(from_samples.d2t, wide.d2t) and torch.equal(from_samples.t2d, wide.t2d)
+    assert count_loss_masked_tokens(ds.iter_rows(), 129_280).sum() > 0
+
+    # Ray Train over the shards without materializing: every epoch re-reads them
+    from training.config import DraftTrainConfig
+    from training.train import train_drafter
+
+    cfg = DraftTrainConfig(steps=6, batch_tokens=128, max_len=64, draft_vocab_size=32, aux_layer_ids=AUX,
+                           ttt_steps=2, warmup_steps=1, checkpoint_every=3, materialize=False)
+    result = train_drafter(hidden_shards_dataset(shards), cfg, tiny_target, tmp_path / "train")
+    log = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 7)) and result.metrics["step"] == 6
+    assert log[-1]["epoch"] >= 1, "6 steps of 128 tokens cycle the shards more than once"
+    assert (result.export_dir / "model.safetensors").exists()

@@ -23,6 +23,7 @@ from pipeline.sources.vllm_source import (
     START_FAILED,
     VLLMGenerator,
     engine_resources,
+    release_placement_groups,
     start_error_text,
     start_failure,
 )
@@ -191,5 +192,11 @@ def test_engine_resources_per_tensor_parallel_layout(ray_session):
         assert pg.bundle_specs == [{"GPU": 1.0, "CPU": 1.0}] * 4
         assert args["scheduling_strategy"].placement_group_capture_child_tasks
         assert ray.util.placement_group_table(pg)["strategy"] == "STRICT_PACK"
+        # the groups outlive their actors: the driver removes every one it made once the dataset has run
+        second = tp4["ray_remote_args_fn"]()["scheduling_strategy"].placement_group
+        assert release_placement_groups() == 2
+        assert {ray.util.placement_group_table(g)["state"] for g in (pg, second)} == {"REMOVED"}
+        assert release_placement_groups() == 0
     finally:
-        remove_placement_group(pg)  # a CPU cluster can never place it
+        if ray.util.placement_group_table(pg)["state"] != "REMOVED":
+            remove_placement_group(pg)  # a CPU cluster can never place it

@@ -229,6 +229,19 @@ def test_teacher_temperature_sharpens_the_target_distribution():
         DraftTrainConfig(teacher_temperature=0)
 
 
+def test_rows_may_carry_states_as_bfloat16_bits():
+    """Extraction can stream bf16 states as uint16 bit patterns; the loop reads them as the exact floats."""
+    row = fake_rows([9])[0]
+    aux = torch.from_numpy(np.asarray(row["aux_hidden"], np.float32)).bfloat16()
+    final = torch.from_numpy(np.asarray(row["final_hidden"], np.float32)).bfloat16()
+    packed_row = {**row, "aux_hidden": aux.view(torch.int16).numpy().view(np.uint16),
+                  "final_hidden": final.view(torch.int16).numpy().view(np.uint16)}
+    sample = to_sample(packed_row, 64, lambda f: np.zeros(len(f), np.int64))
+    assert sample.aux_hidden.dtype == np.float32
+    np.testing.assert_array_equal(sample.aux_hidden, aux.float().numpy())
+    np.testing.assert_array_equal(sample.final_hidden, final.float().numpy())
+
+
 # --------------------------------------------------------------------------- vocab
 
 
@@ -373,6 +386,10 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path, tiny_target, 
     assert steps[0] == steps[1] == list(range(1, 9))
     losses = [[json.loads(ln)["loss"] for ln in log] for log in logs]
     assert losses[0] == losses[1]
+    records = [json.loads(ln) for ln in logs[0]]
+    # fill: real tokens over the batch's slots, so a user sees rows too short for their samples
+    assert all(0 < r["fill"] <= 1 and r["tokens"] > 0 for r in records)
+    assert records[0]["fill"] == pytest.approx(records[0]["tokens"] / cfg.batch_tokens)
 
 
 @pytest.mark.slow
@@ -383,6 +400,28 @@ def test_training_improves_simulated_acceptance():
     assert run.untrained.acceptance_length < 1.05
     assert run.trained.acceptance_length >= run.untrained.acceptance_length + 0.2, (run.untrained, run.trained)
     assert run.trained.per_position[0] >= run.trained.per_position[1] >= run.trained.per_position[2]
+
+
+@pytest.mark.slow
+def test_a_failed_run_rerun_with_the_same_out_dir_continues_from_its_checkpoint(
+        tmp_path, ray_session, tiny_target, target_parts, tiny_rows):
+    """The driver's view of a kill: the run fails (no restarts left), the user runs it again. Ray Train
+    restores the run in OUT/ray/drafter and only the remaining steps run; the result is bit-identical
+    to a run that was never interrupted."""
+    import ray.train
+
+    cfg = small_cfg(max_failures=0)
+    with pytest.raises(ray.train.TrainingFailedError):
+        train_drafter(tiny_rows, cfg, tiny_target, tmp_path / "run", crash_at_step=5)
+    again = train_drafter(tiny_rows, cfg, tiny_target, tmp_path / "run")
+    assert again.metrics["step"] == cfg.steps
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, cfg.steps + 1))
+    vocab = build_vocab_mapping(tiny_rows, target_parts.vocab_size, cfg.draft_vocab_size)
+    reference, _ = train_loop(cfg, tiny_target, tmp_path / "ref", lambda e: tiny_rows, vocab)
+    resumed = load_exported(again.export_dir, tiny_target)
+    for k, v in reference.trainable_state_dict().items():
+        torch.testing.assert_close(resumed.trainable_state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.slow

@@ -16,7 +16,10 @@ class DraftTrainConfig(BaseModel):
 
     steps: int = Field(1000, ge=1, description="optimizer steps (epochs cycle as needed)")
     batch_tokens: int = Field(2048, ge=1, description="token budget of one packed batch per worker")
-    max_len: int = Field(512, ge=8, description="samples are truncated to this many tokens; packed row length")
+    max_len: int = Field(
+        512, ge=8, description="samples are truncated to this many tokens; also the packed row length, so keep "
+        "it well above the typical sample (rows of 256 hold one 160-token sample each: 62% fill, see the `fill` "
+        "metric); batch_tokens // max_len rows per batch")
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(30, ge=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -44,7 +47,9 @@ class DraftTrainConfig(BaseModel):
     shuffle_buffer: int = Field(1024, ge=1, description="rows in the seeded per-epoch shuffle buffer")
     log_every: int = Field(10, ge=1, description="console print interval (JSONL logs every step)")
     materialize: bool = Field(
-        True, description="materialize a lazy Ray Dataset once instead of re-running it every epoch"
+        True, description="keep a streamed dataset's rows in Ray's object store after the first epoch (which "
+        "spills to local disk past its size) instead of re-running the extraction every epoch; false for "
+        "datasets larger than the cluster's object store: nothing is kept, each epoch extracts again"
     )
 
     @field_validator("aux_layer_ids")

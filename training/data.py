@@ -1,7 +1,8 @@
 """Rows from the extraction stage -> validated samples -> packed fixed-shape batches.
 
 Row contract: `sample_id` str, `input_ids` (T,) int, `loss_mask` (T,) 0/1, `aux_hidden` (T, 3*H_t)
-float, `final_hidden` (T, H_t) float (after the target's final norm). Optional `target_ids` (T,)
+float, `final_hidden` (T, H_t) float (after the target's final norm); states may also come as
+bfloat16 bits in uint16 arrays (half the bytes in Ray's object store). Optional `target_ids` (T,)
 int: the target's full-vocab argmax per position (computed from `final_hidden` when absent).
 """
 
@@ -51,6 +52,17 @@ class Batch:
         return Batch(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
 
 
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 stored as its uint16 bit pattern -> float32 (exact)."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def as_float32(states) -> np.ndarray:
+    """Hidden states as float32; uint16 arrays are bfloat16 bits (extraction's compact row format)."""
+    a = np.asarray(states)
+    return from_bf16_bits(a) if a.dtype == np.uint16 else a.astype(np.float32, copy=False)
+
+
 def to_sample(
     row: dict,
     max_len: int,
@@ -62,8 +74,7 @@ def to_sample(
         raise KeyError(f"row {row.get('sample_id')!r} lacks {missing}")
     ids = np.asarray(row["input_ids"], dtype=np.int64).reshape(-1)
     length = ids.shape[0]
-    aux = np.asarray(row["aux_hidden"], dtype=np.float32)
-    final = np.asarray(row["final_hidden"], dtype=np.float32)
+    aux, final = as_float32(row["aux_hidden"]), as_float32(row["final_hidden"])
     mask = np.asarray(row["loss_mask"]).reshape(-1).astype(bool)
     if aux.shape[0] != length or final.shape[0] != length or mask.shape[0] != length:
         raise ValueError(

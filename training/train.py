@@ -213,6 +213,7 @@ def train_loop(
         metrics = _step_metrics(state.step, out, scheduler.get_last_lr()[0], grad_norm,
                                 batch.num_tokens, time.perf_counter() - t_data, epoch)
         metrics["data_s"] = t0 - t_data
+        metrics["fill"] = batch.num_tokens / batch.input_ids.numel()  # low: raise max_len so samples share rows
         if rank == 0:
             with log_path.open("a") as fh:
                 fh.write(json.dumps(metrics) + "\n")

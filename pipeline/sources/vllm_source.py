@@ -199,13 +199,31 @@ class EngineSource:
                    ids_from="engine", sampling=sampling_record(self.sampling, row["sample_id"]))
 
 
+_PLACEMENT_GROUPS: list[Any] = []  # created in this (driver) process by placement_strategy
+
+
 def placement_strategy(bundles: int) -> dict[str, Any]:
-    """Ray remote args putting one actor and its engine's TP workers in one placement group on one node."""
+    """Ray remote args putting one actor and its engine's TP workers in one placement group on one node.
+
+    Ray Data calls this in the driver for every actor it starts; the group outlives its actor, so
+    the driver removes them all with `release_placement_groups` when the dataset has run."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}] * bundles, strategy="STRICT_PACK")
+    _PLACEMENT_GROUPS.append(pg)
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
+
+
+def release_placement_groups() -> int:
+    """Remove the placement groups this process created for engine actors; returns how many."""
+    from ray.util.placement_group import remove_placement_group
+
+    n = 0
+    while _PLACEMENT_GROUPS:
+        remove_placement_group(_PLACEMENT_GROUPS.pop())
+        n += 1
+    return n
 
 
 def engine_resources(engine: dict[str, Any], *, ray_tp: bool = True) -> dict[str, Any]:
