@@ -134,6 +134,28 @@ def test_cached_attention_equals_explicit_ttt_mask():
     assert len(cache) == steps
 
 
+def test_chunked_attention_over_a_long_packed_row_equals_the_explicit_mask():
+    """Many short documents in one row: queries go in span-sized chunks (values and gradients unchanged)."""
+    from training.ttt_attention import attention_span
+
+    torch.manual_seed(1)
+    docs = torch.tensor([[0] * 5 + [1] * 3 + [2] * 6 + [3] * 4 + [4] * 2 + [-1] * 4,
+                         [0] * 6 + [1] * 6 + [2] * 6 + [3] * 6])
+    mask0 = step0_mask(docs)
+    assert attention_span(mask0) == 6  # the longest document
+    b, h, length, d, steps = 2, 2, docs.shape[1], 8, 3
+    qs, ks, vs = ([torch.randn(b, h, length, d, requires_grad=True) for _ in range(steps)] for _ in range(3))
+    cache = StepKVCache()
+    got = [cached_step_attention(q, k, v, cache, mask0) for q, k, v in zip(qs, ks, vs, strict=True)]
+    want = naive_ttt_attention(qs, ks, vs, mask0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(sum(g.square().sum() for g in got), [*qs, *ks, *vs])
+    ref = torch.autograd.grad(sum(w.square().sum() for w in want), [*qs, *ks, *vs])
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- alignment and loss
 
 

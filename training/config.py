@@ -19,8 +19,8 @@ class DraftTrainConfig(BaseModel):
     max_len: int = Field(
         512, ge=8, description="samples are truncated to this many tokens; also the packed row length, so keep "
         "it well above the typical sample (rows of 256 hold one 160-token sample each: 62% fill, see the `fill` "
-        "metric); batch_tokens // max_len rows per batch. Attention is dense per row: rows far longer than "
-        "the samples cost time (one 2,048-token row trains ~25% slower per token than four of 512)")
+        "metric); batch_tokens // max_len rows per batch. Attention is computed in chunks as long as the "
+        "longest sample in the batch, so long rows of short samples stay cheap")
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(30, ge=0)
     weight_decay: float = Field(0.0, ge=0)
