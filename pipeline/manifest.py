@@ -83,7 +83,7 @@ def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
         for key in sorted(set(old) | set(new)):
             path = f"{prefix}.{key}" if prefix else key
             if key not in old or key not in new:
-                if prefix in ("thinking",):
+                if prefix == "thinking":
                     continue
                 out.append(f"{path}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
                 continue
