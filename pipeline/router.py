@@ -14,7 +14,13 @@ them (``reroute_overrides``) until none is left.
 
 Modes: ``shares`` uses the configured weights; ``overflow`` gives each local
 source what its capacity (samples/s) serves within ``deadline_s`` and the
-sources with role ``overflow`` (an API) the remainder. Per dataset, the
+sources with role ``overflow`` (an API) the remainder. That split is only the
+plan: with ``spill_late`` (default), a prompt still waiting for its local engine
+when the deadline passes is spilled to an overflow source instead (status
+``reroute``, reason ``<local>: past the overflow deadline``), so a local source
+slower than its declared capacity cannot hold the run past the deadline. A
+spilled prompt the overflow source cannot serve (budget spent, API down) goes
+back to its local source, which then serves it late. Per dataset, the
 ``sources`` list limits who serves it, and ``tool_prompts`` decides who may
 serve prompts that carry tools: ``exact_ids`` (local engines only),
 ``tools_sent`` (also APIs that send the tools), ``any``.
@@ -28,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -57,6 +63,7 @@ class RoutingConfig(BaseModel):
     deadline_s: float | None = Field(None, gt=0)  # mode overflow: what the local sources must finish in
     reroute: bool = True  # a prompt its source cannot serve goes to its next source instead of quarantine
     max_hops: int = Field(2, ge=0)  # further sources one prompt may try after its first
+    spill_late: bool = True  # mode overflow: prompts a local engine has not started by the deadline go to overflow
     tool_prompts: ToolRule = "any"  # default for prompts that carry tools
     tool_prompts_by_dataset: dict[str, ToolRule] = Field(default_factory=dict)
 
@@ -157,6 +164,15 @@ def share_weights(sources: Sequence[SourceInfo], routing: RoutingConfig, n_promp
     return {s.name: (s.weight if s.role == "primary" else 0.0) for s in sources}
 
 
+SPILLED = "past the overflow deadline"
+
+
+def spilled_from(row: Mapping[str, Any]) -> str | None:
+    """The local source a row was spilled from (its reason says so), else None."""
+    name, sep, _ = str(row.get("reason") or "").partition(f": {SPILLED}")
+    return name if sep and name else None
+
+
 def _has_tools(row: Mapping[str, Any]) -> bool:
     tools = row.get("tools")
     return bool(tools) and tools not in ("[]", "null")
@@ -173,10 +189,14 @@ class Router:
     default_tool_rule: ToolRule = "any"
     reroute: bool = True
     max_hops: int = 2
+    spill_at: float | None = None  # wall clock (time.time()) after which local sources spill waiting prompts
 
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.sources]
+
+    def role(self, name: str) -> str:
+        return next((s.role for s in self.sources if s.name == name), "primary")
 
     def eligible(self, dataset: str, has_tools: bool) -> list[str]:
         """Sources allowed to serve a prompt of this dataset (config order)."""
@@ -201,17 +221,40 @@ class Router:
         return order[0] if order else None
 
     def next_source(self, row: Mapping[str, Any], current: str) -> str | None:
-        """The source after ``current`` in this prompt's order, or None (quarantine)."""
+        """The source after ``current`` in this prompt's order, or None (quarantine).
+
+        A spilled prompt its overflow source cannot serve goes back to the local source it came from.
+        """
+        origin = spilled_from(row)
+        if origin and origin != current:
+            return origin
         order = self.ranking(row)
         if current not in order:
             return None
         i = order.index(current)
         return order[i + 1] if i + 1 < len(order) else None
 
-    def without(self, name: str) -> Router:
-        """This router with one source gone (it failed to start): only its prompts move."""
-        return replace(self, sources=tuple(s for s in self.sources if s.name != name),
-                       weights={k: v for k, v in self.weights.items() if k != name})
+    def spill_target(self, row: Mapping[str, Any], current: str, now: float) -> str | None:
+        """The overflow source a prompt waiting at local source ``current`` spills to, or None (serve it).
+
+        Only first-choice prompts (status ok) spill, and only to an overflow source allowed to serve them:
+        re-routed prompts have no better place to go.
+        """
+        if self.spill_at is None or now < self.spill_at or row.get("status") != "ok":
+            return None
+        if self.role(current) != "primary":
+            return None
+        spill = [n for n in self.eligible(str(row["dataset"]), _has_tools(row)) if self.role(n) == "overflow"]
+        if not spill:
+            return None
+        return rank_sources(str(row["sample_id"]), {n: max(self.weights.get(n, 0.0), 1e-9) for n in spill})[0]
+
+    def spill(self, row: dict[str, Any], current: str, now: float) -> bool:
+        """Spill ``row`` when it is due (see ``spill_target``); True when it was."""
+        target = self.spill_target(row, current, now)
+        if target is not None:
+            row.update(status="reroute", stage="generate", reason=f"{current}: {SPILLED}", source=target)
+        return target is not None
 
     def assign(self, rows: Iterable[Mapping[str, Any]]) -> tuple[dict[str, list[Mapping[str, Any]]],
                                                                  list[Mapping[str, Any]]]:
@@ -225,14 +268,22 @@ class Router:
 
 
 def build_router(sources: Sequence[Any], datasets: Sequence[Any], routing: RoutingConfig | None,
-                 n_prompts: int) -> Router:
-    """The run's Router from its source configs, dataset configs (``name``, ``sources``) and routing block."""
+                 n_prompts: int, started_at: float | None = None) -> Router:
+    """The run's Router from its source configs, dataset configs (``name``, ``sources``) and routing block.
+
+    ``started_at`` (wall clock) starts the overflow deadline; without it nothing spills.
+    """
     routing = routing or RoutingConfig()
     check_routing(routing, [s.name for s in sources], [d.name for d in datasets])
     infos = source_infos(sources, routing)
     allowed = {d.name: tuple(d.sources) for d in datasets if getattr(d, "sources", None)}
+    spill_at = None
+    if routing.mode == "overflow" and routing.spill_late and started_at is not None:
+        assert routing.deadline_s is not None
+        spill_at = started_at + routing.deadline_s
     return Router(tuple(infos), share_weights(infos, routing, n_prompts), allowed,
-                  dict(routing.tool_prompts_by_dataset), routing.tool_prompts, routing.reroute, routing.max_hops)
+                  dict(routing.tool_prompts_by_dataset), routing.tool_prompts, routing.reroute, routing.max_hops,
+                  spill_at)
 
 
 # --------------------------------------------------------------------------- row adapters
@@ -392,6 +443,8 @@ def map_routed(ds: Any, sources: Sequence[Any], *, model_dir: str, profile: str,
     to the next pass with ``overrides=reroute_overrides(rows)``.
     """
     ledgers = dict(ledgers or {})
+    # Primaries first: prompts re-routed or spilled to an overflow source are then served in the same pass.
+    sources = sorted(sources, key=lambda s: router.role(s.name) == "overflow")
     ds = ds.map_batches(assign_sources, fn_kwargs={"router": router, "overrides": dict(overrides or {})},
                         batch_format="pyarrow", num_cpus=0)
     for src in sources:

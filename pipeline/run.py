@@ -12,7 +12,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +110,8 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path, ledgers: 
     if not prompts:
         return tally
     model = cfg.model
-    router = build_router(cfg.sources, cfg.datasets, cfg.routing, len(prompts))
+    # The overflow deadline runs from here (engine start-up counts: it is wall clock the user waits).
+    router = build_router(cfg.sources, cfg.datasets, cfg.routing, len(prompts), started_at=time.time())
     checks = {d.name: d.checks.model_dump() for d in cfg.datasets}
     block_rows = min(s.batch_size for s in cfg.sources)
     todo, overrides = prompts, {}
@@ -138,6 +139,7 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], out: Path, ledgers: 
             release_placement_groups()  # TP > 1 engine actors' GPU bundles outlive the actors
         overrides = reroute_overrides(rerouted)
         todo = [p for p in prompts if p["sample_id"] in overrides]
+        router = replace(router, spill_at=None)  # later passes carry only re-routes: none spills
         if not todo:
             break
     if todo:
@@ -190,13 +192,22 @@ class Tally:
         self.t0 = self.last = time.perf_counter()
         self.printed = -1
         self.start_errors: dict[str, str] = {}  # source -> why its engine did not start (from row reasons)
+        self.served: Counter = Counter()  # source -> samples it generated (this attempt)
+        self.spilled: Counter = Counter()  # local source -> its prompts an overflow source took past the deadline
 
     @property
     def done(self) -> int:
         return sum(self.status.values())
 
     def add(self, row: dict[str, Any]) -> None:
+        from pipeline.router import spilled_from
+
         self.status[row["status"]] += 1
+        if row.get("output_ids") is not None:
+            self.served[row.get("source") or ""] += 1
+        origin = spilled_from(row)
+        if origin:
+            self.spilled[origin] += 1
         self.tokens += len(row["output_ids"] or [])
         self.cost += row.get("cost") or 0.0
         if row.get("checks_ran"):
@@ -337,9 +348,11 @@ def summarize(tally: Tally, counts: Counter, out: Path) -> dict[str, Any]:
     }
 
 
-def source_report(sources: list[Any], start_errors: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Per configured source: its kind and, when its engine failed to start this attempt, why."""
-    return {s.name: {"kind": s.kind, "start_error": start_errors.get(s.name)} for s in sources}
+def source_report(sources: list[Any], tally: Tally) -> dict[str, dict[str, Any]]:
+    """Per configured source, this attempt: samples it generated, prompts it spilled past the overflow
+    deadline, and, when its engine failed to start, why."""
+    return {s.name: {"kind": s.kind, "served": tally.served[s.name], "spilled": tally.spilled[s.name],
+                     "start_error": tally.start_errors.get(s.name)} for s in sources}
 
 
 def _ledger_report(ledger: Any) -> dict[str, Any]:
@@ -387,7 +400,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     report: dict[str, Any] = summarize(tally, counts, out)
     assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
     report["spend"] = {name: _ledger_report(ledger) for name, ledger in ledgers.items()}
-    report["sources"] = source_report(cfg.sources, tally.start_errors)
+    report["sources"] = source_report(cfg.sources, tally)
     report["training"] = extract_and_train(cfg, out, timings)
     timings.add("total", t_all)
     report["seconds"] = timings.seconds
@@ -419,6 +432,8 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         lines.append("  audit (this attempt):")
         lines += [f"    {line}" for line in summary_lines(r["audit"])]
     for name, src in (r.get("sources") or {}).items():
+        spilled = f", {src['spilled']} spilled past the overflow deadline" if src.get("spilled") else ""
+        lines.append(f"  source {name} ({src['kind']}) generated {src.get('served', 0)}{spilled}")
         if src.get("start_error"):
             lines.append(f"  source {name} failed to start (its prompts re-routed or quarantined): "
                          f"{src['start_error'][:200]}")

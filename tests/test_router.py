@@ -20,6 +20,7 @@ from pipeline.router import (
     rank_sources,
     reroute_overrides,
     source_infos,
+    spilled_from,
 )
 from pipeline.sources.vllm_source import fail_row, serves
 from pipeline.stages import FLIGHT_SCHEMA, rows_to_table
@@ -90,6 +91,41 @@ def test_overflow_mode_fills_local_capacity_first():
     by_source, _ = router.assign([prompt(i) for i in range(50)])
     assert len(by_source["api"]) == 0
     assert all(router.next_source(p, "vllm") == "api" for p in by_source["vllm"])
+
+
+OVERFLOW = {"mode": "overflow", "deadline_s": 100,
+            "sources": {"vllm": {"capacity": 100}, "api": {"role": "overflow"}}}
+
+
+def test_past_the_deadline_waiting_prompts_spill_to_the_overflow_source():
+    tool = '[{"type": "function", "function": {"name": "f"}}]'
+    routing = RoutingConfig.model_validate({**OVERFLOW, "tool_prompts_by_dataset": {"tools": "exact_ids"}})
+    router = build_router(SOURCES, DATASETS, routing, 50, started_at=1000.0)
+    assert router.spill_at == 1100.0
+    rows = [flight(i) for i in range(20)]
+    assert all(router.route(r) == "vllm" for r in rows)  # capacity x deadline covers every prompt
+    assert not any(router.spill(r, "vllm", now=1099.0) for r in rows)  # before the deadline: served locally
+    assert all(r["status"] == "ok" for r in rows)
+    assert all(router.spill(r, "vllm", now=1100.5) for r in rows)
+    assert all((r["status"], r["source"], r["reason"]) == ("reroute", "api", "vllm: past the overflow deadline")
+               for r in rows)
+    assert all(spilled_from(r) == "vllm" and serves(r, "api") for r in rows)
+    # Never spilled: a re-routed prompt, a prompt at the overflow source, one the API may not serve.
+    assert not router.spill(flight(1, status="reroute", reason="x: engine error"), "vllm", now=2000.0)
+    assert not router.spill(flight(2), "api", now=2000.0)
+    assert not router.spill(flight(3, dataset="tools", tools=tool), "vllm", now=2000.0)
+    # The API cannot serve a spilled prompt (budget spent): it goes back to its local source, once.
+    row = rows[0]
+    merge_outcome(row, {"status": "not_generated", "error": "budget exhausted"}, "api", router)
+    assert (row["status"], row["source"]) == ("reroute", "vllm") and spilled_from(row) is None
+    assert not router.spill(row, "vllm", now=2000.0)
+    merge_outcome(row, {"status": "not_generated", "error": "still no budget"}, "api", router)  # not spilled now
+    assert row["status"] == "not_generated"
+    # Nothing spills without a start time, in shares mode, or with spill_late off.
+    assert build_router(SOURCES, DATASETS, routing, 50).spill_at is None
+    assert build_router(SOURCES, DATASETS, RoutingConfig(), 50, started_at=1000.0).spill_at is None
+    off = RoutingConfig.model_validate({**OVERFLOW, "spill_late": False})
+    assert build_router(SOURCES, DATASETS, off, 50, started_at=1000.0).spill_at is None
 
 
 def test_overflow_config_errors_name_the_missing_piece():

@@ -160,3 +160,42 @@ def test_a_source_that_fails_to_start_loses_no_prompt(repo_root, tiny_target, ra
     assert all((r["stage"], r["source"]) == ("generate", "hf-broken") for r in quarantine)
     assert all(r["reason"] == f"engine failed to start: {error}" for r in quarantine)
     assert report["sources"]["hf-broken"]["start_error"] == error
+
+
+def test_overflow_spills_prompts_a_late_local_engine_has_not_started(repo_root, tiny_target, ray_session, api_url,
+                                                                     tmp_path):
+    """The local source's declared capacity claims every prompt, but the deadline passes while its engine
+    loads: the API takes them all. With no API budget the spilled prompts come back and the local engine
+    serves them late. Either way every prompt is served exactly once."""
+    from pipeline.run import run
+
+    lenient = ChecksConfig(**dict.fromkeys(("structure", "roundtrip_rebuilt", "tool_semantics", "repetition",
+                                            "max_length"), "flag"))
+
+    def go(budget: int | None) -> tuple[dict, list[dict]]:
+        out = tmp_path / f"spill-{budget}"
+        api = OpenRouterSourceConfig(name="api", base_url=api_url, model="tiny/deepseek-tiny", api_key_required=False,
+                                     num_actors=1, num_cpus=0.25, batch_size=4, default_budget=budget)
+        cfg = RunConfig(
+            output_dir=str(out), model={"profile": "deepseek", "path": str(tiny_target)}, training=None,
+            sampling={"temperature": 0.0, "max_tokens": 8},
+            datasets=[DatasetConfig(name="chat", path=str(repo_root / "data/prompts/chat.jsonl"), max_rows=6,
+                                    checks=lenient)],
+            sources=[api, TransformersSourceConfig(name="hf", dtype="float32", num_cpus=0.5, batch_size=4)],
+            routing=RoutingConfig(mode="overflow", deadline_s=0.001,
+                                  sources={"hf": SourceRoute(capacity=1e6), "api": SourceRoute(role="overflow")}),
+        )
+        report = run(cfg)
+        assert (report["rows_in"], report["passed"], report["quarantined"], report["not_generated"]) == (6, 6, 0, 0)
+        samples = shard_rows(out / "samples")
+        assert sorted(r["sample_id"] for r in samples) == sorted({r["sample_id"] for r in samples})
+        return report, samples
+
+    report, samples = go(budget=None)
+    assert {r["source"] for r in samples} == {"api"} and all(r["ids_from"] != "engine" for r in samples)
+    assert report["sources"]["hf"] == {"kind": "transformers", "served": 0, "spilled": 6, "start_error": None}
+    assert report["sources"]["api"]["served"] == 6
+
+    report, samples = go(budget=0)
+    assert {r["source"] for r in samples} == {"hf"} and all(r["ids_from"] == "engine" for r in samples)
+    assert report["sources"]["hf"]["served"] == 6 and report["sources"]["hf"]["spilled"] == 0

@@ -161,6 +161,8 @@ class EngineSource:
         for r in rows:
             if not serves(r, self.source_name):
                 continue
+            if self.router is not None and self.router.spill(r, self.source_name, time.time()):
+                continue  # past the overflow deadline: an overflow source takes it
             if self.start_error is not None:
                 fail_row(r, f"{START_FAILED}: {self.start_error}", self.source_name, self.router)
                 continue
