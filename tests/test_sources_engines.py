@@ -200,3 +200,38 @@ def test_engine_resources_per_tensor_parallel_layout(ray_session):
     finally:
         if ray.util.placement_group_table(pg)["state"] != "REMOVED":
             remove_placement_group(pg)  # a CPU cluster can never place it
+
+
+def test_engine_pool_scales_up_to_max_actors_each_starting_once(repo_root, clean_target, ray_session):
+    """num_actors 1, max_actors 2: a queue of batches behind one busy engine makes Ray Data add the second
+    actor; each actor starts its engine once (no restarts) and serves several batches; every prompt once."""
+    import ray.data
+    from ray.util.state import list_actors
+
+    from pipeline.config import TransformersSourceConfig
+    from pipeline.router import map_routed
+
+    actor_class = "MapWorker(MapBatches(TransformersGenerator))"
+
+    def engine_actors() -> dict[str, object]:
+        return {a.actor_id: a for a in list_actors(filters=[("class_name", "=", actor_class)], detail=True,
+                                                  limit=10_000, raise_on_missing_output=False)}
+
+    before = set(engine_actors())
+    d = DatasetConfig(name="chat", path=str(repo_root / "data/prompts/chat.jsonl"))
+    prompts = load_dataset(d)[0]
+    src = TransformersSourceConfig(name="hf", dtype="float32", num_cpus=0.5, batch_size=2, num_actors=1,
+                                   max_actors=2)
+    router = build_router([src], [d], RoutingConfig(), len(prompts))
+    ds = ray.data.from_items(prompts, override_num_blocks=len(prompts) // 2)
+    ds = ds.map_batches(RenderPrompts, fn_constructor_args=("deepseek", str(clean_target)), batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+    ds = map_routed(ds, [src], model_dir=str(clean_target), profile="deepseek",
+                    sampling={**GREEDY, "max_tokens": 64}, router=router)
+    rows = ds.take_all()
+    assert sorted(r["sample_id"] for r in rows) == sorted(p["sample_id"] for p in prompts)
+    assert all(r["status"] == "ok" and r["output_ids"] for r in rows)
+    new = {k: a for k, a in engine_actors().items() if k not in before}
+    assert len(new) == 2, f"expected the pool to grow to max_actors=2, got {len(new)} actors"
+    assert all(a.num_restarts == 0 for a in new.values())
+    assert len(prompts) // src.batch_size > len(new)  # more batches than engine start-ups
