@@ -237,6 +237,10 @@ class Tally:
               f"{rate:.2f} samples/s, ETA {eta:.0f}s", flush=True)
 
 
+SAMPLE_INPUT_COLUMNS = ["sample_id", "dataset", "row_index", "source", "prompt_ids", "prompt_assistant_mask",
+                        "output_ids"]
+
+
 def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, Any]:
     """Hidden states from the extraction actors into the Ray Train loop: streamed, or via shards on disk."""
     import ray.data
@@ -244,6 +248,7 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
 
     from pipeline.extract import HiddenStateExtractor, bytes_per_token, read_extract_stats
     from training.config import DraftTrainConfig, resolve_aux_layer_ids
+    from training.heldout import heldout_acceptance, select_heldout
 
     samples_dir = out / "samples"
     if not any(samples_dir.glob("*.parquet")):
@@ -252,6 +257,7 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
     if tcfg is None and ex.mode == "stream":
         return {"skipped": "training is off and extraction streams into training: nothing to extract"}
     target_cfg = AutoConfig.from_pretrained(cfg.model.path)
+    heldout = tcfg.heldout_fraction if tcfg is not None else 0.0
     aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg.num_hidden_layers)
     stats_dir = out / "extract_stats"
     extractor_kwargs = {"backend": ex.backend, "dtype": ex.dtype, "device_map": ex.device_map,
@@ -267,17 +273,29 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
                           num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=extractor_kwargs)
         timings.add("extract", t0)
         ds = hidden_shards_dataset(out / "hidden")
+        if heldout:
+            all_rows = ds
+            ds = all_rows.map_batches(select_heldout, fn_kwargs={"fraction": heldout, "keep": False},
+                                      batch_format="pyarrow", num_cpus=0)
     else:
-        ds = ray.data.read_parquet(str(samples_dir), columns=["sample_id", "dataset", "row_index", "source",
-                                                              "prompt_ids", "prompt_assistant_mask", "output_ids"])
-        ds = ds.map_batches(
-            HiddenStateExtractor,
-            fn_constructor_args=(cfg.model.path, aux_ids, ex.max_len, ex.too_long, ex.batch_tokens,
-                                 str(out / "quarantine")),
-            fn_constructor_kwargs=extractor_kwargs | {"out_dtype": ex.shard_dtype},
-            batch_format="pyarrow", batch_size=ex.rows_per_call,
-            compute=ray.data.ActorPoolStrategy(size=ex.num_actors), num_cpus=ex.num_cpus, num_gpus=ex.num_gpus,
-        )
+        def extracted(keep_heldout: bool) -> Any:  # the samples (all but the held-out, or only them), extracted
+            samples = ray.data.read_parquet(str(samples_dir), columns=SAMPLE_INPUT_COLUMNS)
+            if heldout:
+                samples = samples.map_batches(select_heldout, fn_kwargs={"fraction": heldout, "keep": keep_heldout},
+                                              batch_format="pyarrow", num_cpus=0)
+                if keep_heldout:
+                    samples = samples.limit(tcfg.heldout_max_samples)
+            return samples.map_batches(
+                HiddenStateExtractor,
+                fn_constructor_args=(cfg.model.path, aux_ids, ex.max_len, ex.too_long, ex.batch_tokens,
+                                     str(out / "quarantine")),
+                fn_constructor_kwargs=extractor_kwargs | {"out_dtype": ex.shard_dtype},
+                batch_format="pyarrow", batch_size=ex.rows_per_call,
+                compute=ray.data.ActorPoolStrategy(size=ex.num_actors), num_cpus=ex.num_cpus,
+                num_gpus=ex.num_gpus,
+            )
+
+        ds = extracted(keep_heldout=False)
     result: dict[str, Any] = {"aux_layer_ids": aux_ids, "extraction_mode": ex.mode,
                               "bytes_per_token": bytes_per_token(target_cfg.hidden_size, len(aux_ids))}
     t0 = time.perf_counter()
@@ -289,26 +307,39 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
 
         # counted from the samples, not the stream: counting the stream would run the extraction once more
         vocab = draft_vocab_from_samples(samples_dir, target_cfg.vocab_size, tcfg.draft_vocab_size, ex.max_len,
-                                         ex.too_long) if ex.mode == "stream" else None
+                                         ex.too_long, heldout) if ex.mode == "stream" else None
         res = train_drafter(ds, tcfg.model_copy(update={"aux_layer_ids": aux_ids}), cfg.model.path,
                             out / "drafter", vocab=vocab)
         timings.add("extract+train" if ex.mode == "stream" else "train", t0)
         result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
                       metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
+        if heldout:
+            t0 = time.perf_counter()
+            if ex.mode == "stream":  # a second, small extraction pass: one more engine start-up
+                held = extracted(keep_heldout=True)
+            else:
+                held = all_rows.map_batches(select_heldout, fn_kwargs={"fraction": heldout, "keep": True},
+                                            batch_format="pyarrow", num_cpus=0).limit(tcfg.heldout_max_samples)
+            result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held.take_all(), tcfg.eval_k)
+            timings.add("heldout_eval", t0)
     result["extraction"] = read_extract_stats(stats_dir) if stats_dir.exists() else {}
     return result
 
 
 def draft_vocab_from_samples(samples_dir: Path, vocab_size: int, draft_vocab_size: int, max_len: int,
-                             too_long: str) -> VocabMapping:
-    """The draft vocabulary over the loss-masked tokens the extraction stage will emit for these samples."""
+                             too_long: str, heldout_fraction: float = 0.0) -> VocabMapping:
+    """The draft vocabulary over the loss-masked tokens the extraction stage will emit for the training
+    samples (held-out samples excluded)."""
     from pipeline.extract import prepare_sample
+    from training.heldout import is_held_out
     from training.vocab import build_vocab_mapping
 
     def rows() -> Iterator[dict[str, Any]]:
         for f in sorted(samples_dir.glob("*.parquet")):
-            table = pq.read_table(f, columns=["prompt_ids", "prompt_assistant_mask", "output_ids"])
+            table = pq.read_table(f, columns=["sample_id", "prompt_ids", "prompt_assistant_mask", "output_ids"])
             for r in table.to_pylist():
+                if is_held_out(r["sample_id"], heldout_fraction):
+                    continue
                 prepared = prepare_sample(r["prompt_ids"], r["prompt_assistant_mask"], r["output_ids"], max_len,
                                           too_long)
                 if not isinstance(prepared, str):  # a reason: the extraction stage quarantines it
@@ -451,6 +482,13 @@ def format_report(r: dict[str, Any], out: Path) -> str:
                      f"acc/position [{accs}] {m.get('tokens_per_s', 0):.0f} tok/s")
     if t.get("export_dir"):
         lines.append(f"  drafter      {t['export_dir']}")
+    h = t.get("heldout") or {}
+    if h.get("acceptance_length") is not None:
+        per = " ".join(f"{p:.2f}" for p in h["per_position"])
+        lines.append(f"  held-out     acceptance length {h['acceptance_length']:.3f} at k={h['k']} (per position "
+                     f"[{per}]) on {h['samples']} samples never trained on (simulated greedy verification)")
+    elif h:
+        lines.append(f"  held-out     {h.get('skipped')}")
     lines.append("=" * 64)
     return "\n".join(lines)
 

@@ -127,6 +127,10 @@ def test_drafter_is_trained_and_exported(tiny_run):
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (export / "model.safetensors").stat().st_size > 0
     assert report["training"]["metrics"]["step"] == 12
+    held = report["training"]["heldout"]  # samples the drafter never saw, measured after training
+    assert held["samples"] >= 3 and held["k"] == 3 and len(held["per_position"]) == 3
+    assert held["acceptance_length"] == pytest.approx(1 + sum(held["per_position"]), abs=1e-3)
+    assert held["drafts"] > 0 and held["tokens"] > 0
 
 
 def test_rerun_resumes_without_regenerating(tiny_run):

@@ -459,3 +459,40 @@ def test_ray_train_restarts_killed_worker_from_checkpoint(tmp_path, ray_session,
     reference, _ = train_loop(cfg, tiny_target, tmp_path / "ref", lambda e: rows, vocab)
     for k, v in reference.trainable_state_dict().items():
         torch.testing.assert_close(ray_drafter.trainable_state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_heldout_split_is_a_stable_nested_partition():
+    import pyarrow as pa
+
+    from training.heldout import heldout_mask, select_heldout
+
+    ids = [f"chat:{i}:{i * 7919 % 10007:04x}" for i in range(20_000)]
+    mask = heldout_mask(ids, 0.05)
+    assert abs(mask.mean() - 0.05) < 0.006
+    assert (heldout_mask(ids, 0.05) == mask).all() and not heldout_mask(ids, 0.0).any()
+    assert (mask <= heldout_mask(ids, 0.1)).all()  # raising the fraction only adds held-out samples
+    table = pa.table({"sample_id": ids[:500], "x": list(range(500))})
+    kept, dropped = select_heldout(table, 0.2, keep=True), select_heldout(table, 0.2, keep=False)
+    assert kept.num_rows > 0 and kept.num_rows + dropped.num_rows == 500
+    assert set(kept["sample_id"].to_pylist()).isdisjoint(dropped["sample_id"].to_pylist())
+
+
+@pytest.mark.slow
+def test_heldout_acceptance_of_the_export_equals_the_in_memory_drafter(tmp_path):
+    """Export -> load -> simulate gives the trained drafter's figure; bf16-bit rows (the compact extraction
+    format) decode to nearly the same figure."""
+    from pipeline.hidden_shards import to_bf16_bits
+    from training.heldout import heldout_acceptance
+    from training.target import read_target_config
+
+    run = easy_run()
+    export = export_draft(run.drafter, tmp_path / "export", target_config=read_target_config(run.target_dir))
+    report = heldout_acceptance(export, run.target_dir, run.held_rows, k=3)
+    assert report["samples"] == len(run.held_rows) and report["k"] == 3
+    assert report["acceptance_length"] == pytest.approx(run.trained.acceptance_length, abs=1e-4)
+    assert report["per_position"] == pytest.approx(run.trained.per_position, abs=1e-4)
+    bf16 = [{**r, "aux_hidden": to_bf16_bits(np.asarray(r["aux_hidden"], np.float32)),
+             "final_hidden": to_bf16_bits(np.asarray(r["final_hidden"], np.float32))} for r in run.held_rows]
+    assert abs(heldout_acceptance(export, run.target_dir, bf16, k=3)["acceptance_length"]
+               - report["acceptance_length"]) < 0.05
+    assert heldout_acceptance(export, run.target_dir, [], k=3)["samples"] == 0

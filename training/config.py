@@ -53,6 +53,13 @@ class DraftTrainConfig(BaseModel):
         "datasets larger than the cluster's object store: nothing is kept, each epoch extracts again"
     )
 
+    heldout_fraction: float = Field(
+        0.02, ge=0, lt=1, description="share of samples (fixed by a hash of the sample id) kept out of training "
+        "and the draft vocabulary; the run report gives the drafter's simulated acceptance on them"
+    )
+    heldout_max_samples: int = Field(64, ge=1, description="held-out samples evaluated (the rest stay unused)")
+    eval_k: int = Field(3, ge=1, description="draft length of the held-out acceptance measure")
+
     @field_validator("aux_layer_ids")
     @classmethod
     def _distinct_sorted(cls, ids: list[int] | None) -> list[int] | None:

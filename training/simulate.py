@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from training.data import as_float32
 from training.model import Eagle3Drafter
 from training.target import greedy_ids
 from training.ttt_attention import StepKVCache, step0_mask
@@ -83,9 +84,10 @@ def simulate_acceptance(
     drafter = drafter.eval()
     drafts, accepted = 0, [0] * k
     for row in rows:
-        ids = torch.as_tensor(np.asarray(row["input_ids"], np.int64))
-        aux = torch.as_tensor(np.asarray(row["aux_hidden"], np.float32))
-        final = torch.as_tensor(np.asarray(row["final_hidden"], np.float32))
+        # copies: Ray hands out read-only arrays; rows may carry bf16 bits (the extraction's compact format)
+        ids = torch.from_numpy(np.array(row["input_ids"], np.int64))
+        aux = torch.from_numpy(np.array(as_float32(row["aux_hidden"])))
+        final = torch.from_numpy(np.array(as_float32(row["final_hidden"])))
         mask = np.asarray(row["loss_mask"]).astype(bool)
         if not mask.any():
             continue
