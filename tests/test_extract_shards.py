@@ -214,3 +214,42 @@ def test_extract_to_shards_resumes_and_feeds_ray_train(tmp_path, tiny_target, ra
     assert [r["step"] for r in log] == list(range(1, 7)) and result.metrics["step"] == 6
     assert log[-1]["epoch"] >= 1, "6 steps of 128 tokens cycle the shards more than once"
     assert (result.export_dir / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_shards_mode_run_trains_on_all_but_the_held_out_samples(tmp_path, repo_root, clean_target, ray_session):
+    """The main job with ``extraction.mode: shards``: every passed sample is extracted to shards, the held-out
+    ones are left out of training (the saved draft vocabulary is the one of the other rows) and measured after."""
+    from pipeline.config import ChecksConfig, DatasetConfig, RunConfig, TransformersSourceConfig
+    from pipeline.run import run
+    from training.heldout import is_held_out
+    from training.train import VOCAB_FILE, load_vocab
+    from training.vocab import build_vocab_mapping
+
+    fraction = 0.3
+    lenient = ChecksConfig(**dict.fromkeys(("structure", "roundtrip_rebuilt", "tool_semantics", "repetition",
+                                            "max_length"), "flag"))
+    cfg = RunConfig(
+        output_dir=str(tmp_path / "run"), model={"profile": "deepseek", "path": str(clean_target)},
+        sampling={"temperature": 0.0, "max_tokens": 12},
+        datasets=[DatasetConfig(name="chat", path=str(repo_root / "data/prompts/chat.jsonl"), max_rows=12,
+                                checks=lenient)],
+        sources=[TransformersSourceConfig(name="hf", dtype="float32", num_cpus=0.5, batch_size=4)],
+        extraction={"mode": "shards", "samples_per_shard": 4, "num_cpus": 0.5, "max_len": 512},
+        training={"steps": 4, "batch_tokens": 512, "max_len": 256, "ttt_steps": 2, "draft_vocab_size": 48,
+                  "checkpoint_every": 2, "warmup_steps": 1, "heldout_fraction": fraction},
+    )
+    report = run(cfg)
+    passed = {r["sample_id"] for r in pq.read_table(tmp_path / "run" / "samples").to_pylist()}
+    assert report["passed"] == len(passed) == 12
+    held = {s for s in passed if is_held_out(s, fraction)}
+    assert 0 < len(held) < len(passed)
+    assert completed_sample_ids(tmp_path / "run" / "hidden") == passed  # held-out samples are extracted too
+    h = report["training"]["heldout"]
+    assert h["samples"] == len(held) and h["k"] == 3 and h["acceptance_length"] >= 1.0
+    rows = list(read_hidden_shards(tmp_path / "run" / "hidden"))
+    trained = build_vocab_mapping([r for r in rows if r["sample_id"] not in held], 129_280, 48)
+    saved = load_vocab(tmp_path / "run" / "drafter" / VOCAB_FILE)
+    assert torch.equal(saved.d2t, trained.d2t) and torch.equal(saved.t2d, trained.t2d)
+    everything = build_vocab_mapping(rows, 129_280, 48)
+    assert not torch.equal(everything.d2t, trained.d2t), "the held-out rows would have changed the vocabulary"

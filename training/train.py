@@ -96,6 +96,7 @@ class TargetIdsCache:
             hit = self.cache.get(str(key)) if key is not None else None
             if hit is not None and hit.shape[0] == final.shape[0]:
                 return hit
+            final = np.require(final, requirements="W")  # Ray's arrays are read-only: copy only those
             ids = greedy_ids(torch.from_numpy(final).to(self.device), self.lm_head).cpu().numpy()
             if key is not None:
                 self.cache[str(key)] = ids
