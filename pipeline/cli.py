@@ -1,4 +1,5 @@
-"""Command line: run a job, audit shards, serve a local OpenRouter stand-in, build the tiny target."""
+"""Command line: run a job, see where it stands, audit shards, serve a local OpenRouter stand-in, build the
+tiny target."""
 
 from __future__ import annotations
 
@@ -41,6 +42,28 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.config import ConfigError, load_config
+    from pipeline.status import collect_status, format_status
+
+    try:
+        cfg = load_config(args.config, check_paths=False)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.output_dir:
+        cfg.output_dir = args.output_dir
+    try:
+        status = collect_status(cfg)
+    except FileNotFoundError as e:
+        print(f"status: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
+    return 0
+
+
 def _build_tiny(args: argparse.Namespace) -> int:
     from pipeline.tiny_model import build_tiny_target, weights_digest
 
@@ -70,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("--no-paths", action="store_true", help="skip checks that model and dataset files exist")
     p.set_defaults(fn=_check)
+    p = sub.add_parser("status", help="where a run stands (prompts done / to do, spend, training), from its folder")
+    p.add_argument("config")
+    p.add_argument("--output-dir", help="override output_dir from the config")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.set_defaults(fn=_status)
     p = sub.add_parser("build-tiny", help="build the tiny CPU target model folder")
     p.add_argument("out")
     p.add_argument("--variant", choices=["well-formed", "wild"], default="well-formed",

@@ -133,6 +133,24 @@ def test_drafter_is_trained_and_exported(tiny_run):
     assert held["drafts"] > 0 and held["tokens"] > 0
 
 
+def test_status_of_the_finished_run_matches_its_report(tiny_run):
+    from pipeline.status import collect_status, format_status, is_finished
+
+    cfg, _, report = tiny_run
+    s = collect_status(cfg)
+    assert s["totals"] == {"rows": report["rows_in"], "passed": report["passed"],
+                           "quarantined": report["quarantined"], "to_do": 0}
+    assert s["datasets"]["malformed"]["quarantined_by_stage"] == {"read": MALFORMED}
+    assert s["samples_by_source"] == {"vllm-cpu": report["passed"]}
+    assert s["manifest"] == {"present": True, "differences": []}
+    assert (s["training"]["step"], s["training"]["steps"], s["training"]["exported"]) == (12, 12, True)
+    assert s["training"]["heldout"] == report["training"]["heldout"]
+    assert is_finished(s) and format_status(s).endswith("finished")
+    cfg2 = cfg.model_copy(deep=True)
+    cfg2.sampling.temperature = 0.5
+    assert collect_status(cfg2)["manifest"]["differences"] == ["sampling.temperature: 1.0 -> 0.5"]
+
+
 def test_rerun_resumes_without_regenerating(tiny_run):
     from pipeline.run import finished_ids, read_prompts
 

@@ -76,6 +76,15 @@ def test_killed_driver_resumes_exactly_once_without_overspend(ray_head, tmp_path
     first.wait()
     written_before = len(_rows(out / "samples")) + len(_rows(out / "quarantine"))
     assert 0 < written_before < ROWS
+    # `pipeline status` on the killed run's folder: what is done, what a re-run will do, what was committed.
+    killed = _status(cfg_path)
+    assert killed["totals"]["rows"] == ROWS
+    assert killed["totals"]["passed"] + killed["totals"]["quarantined"] == written_before
+    assert killed["totals"]["to_do"] == ROWS - written_before
+    committed = {d: v["committed"] for d, v in killed["spend"]["api"]["datasets"].items()}
+    assert committed == json.loads((out / "ledger-api.json").read_text())  # in flight at the kill included
+    assert {d: v["budget"] for d, v in killed["spend"]["api"]["datasets"].items()} == budgets
+    assert killed["manifest"] == {"present": True, "differences": []}
 
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -102,3 +111,16 @@ def test_killed_driver_resumes_exactly_once_without_overspend(ray_head, tmp_path
     assert billed_by_server <= sum(budgets.values())
     journal = json.loads((out / "ledger-api.json").read_text())
     assert all(journal[d] <= budgets[d] for d in budgets)
+    done = _status(cfg_path)  # to do now: exactly the prompts math's budget left ungenerated
+    assert done["totals"]["to_do"] == report["not_generated"] and done["datasets"]["math"]["to_do"] > 0
+    assert done["totals"]["passed"] == report["passed"] and done["duplicates_in_shards"] == 0
+    assert sum(v["billed_in_samples"] for v in done["spend"]["api"]["datasets"].values()) == \
+        sum(max(r["billed_completion_tokens"], 0) for r in samples)
+
+
+def _status(cfg_path: Path) -> dict:
+    """`python -m pipeline status CONFIG --json`, as a user runs it (no Ray)."""
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "status", str(cfg_path), "--json"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
