@@ -6,21 +6,33 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
 
 
-def _run(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace, check_paths: bool = True) -> RunConfig | None:
+    """The config named on the command line (``--output-dir`` applied), or None after printing why not."""
     from pipeline.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, check_paths=check_paths)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if args.output_dir:
+        return None
+    if getattr(args, "output_dir", None):
         cfg.output_dir = args.output_dir
+    return cfg
+
+
+def _run(args: argparse.Namespace) -> int:
     from pipeline.manifest import ManifestMismatch
     from pipeline.run import run
 
+    cfg = _load(args)
+    if cfg is None:
+        return 2
     try:
         run(cfg)
     except ManifestMismatch as e:
@@ -30,12 +42,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from pipeline.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, check_paths=not args.no_paths)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = _load(args, check_paths=not args.no_paths)
+    if cfg is None:
         return 2
     print(f"{args.config}: ok — {len(cfg.datasets)} datasets, sources "
           f"{[f'{s.kind}:{s.name}' for s in cfg.sources]}, output {cfg.output_dir}")
@@ -45,16 +53,11 @@ def _check(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import json
 
-    from pipeline.config import ConfigError, load_config
     from pipeline.status import collect_status, format_status
 
-    try:
-        cfg = load_config(args.config, check_paths=False)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = _load(args, check_paths=False)  # the model may live elsewhere: the folder is what is read
+    if cfg is None:
         return 2
-    if args.output_dir:
-        cfg.output_dir = args.output_dir
     try:
         status = collect_status(cfg)
     except FileNotFoundError as e:
