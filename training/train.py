@@ -115,18 +115,55 @@ def epoch_batches(
 
 
 def batch_stream(
-    rows_fn: RowsFn, cfg: DraftTrainConfig, targets: TargetIdsCache, state: LoopState, rank: int
-) -> Iterator[tuple[int, int, Batch]]:
-    """Endless (epoch, batch index, batch) stream starting at the recorded data position."""
+    rows_fn: RowsFn, cfg: DraftTrainConfig, targets: TargetIdsCache, state: LoopState, rank: int,
+    active_ranks: Callable[[bool], int] = int,
+) -> Iterator[tuple[int, int, Batch, bool, int]]:
+    """Endless (epoch, step in epoch, batch, has data, ranks with data) from the recorded data position.
+
+    Ranks pack their shards into different numbers of batches, but an epoch may only start on all of them
+    together (Ray Data's streaming split waits for every consumer, and DDP for every rank at each step).
+    So each step, ``active_ranks`` (an all-reduce) counts the ranks that still have a batch: a rank whose
+    epoch ran out yields its latest batch with ``has data`` False (to be weighted 0) and waits out the
+    others' remaining steps; the next epoch starts once no rank has a batch. Steps in an epoch are counted
+    alike on every rank, so resuming at step k of an epoch skips k batches on each (a rank that had fewer
+    is simply done with that epoch, its last skipped batch standing in).
+    """
     epoch, skip = state.epoch, state.batch_in_epoch
+    latest: Batch | None = None
+    empty_epochs = 0
     while True:
-        n = -1
-        for n, batch in enumerate(epoch_batches(rows_fn, epoch, cfg, targets, rank)):
-            if n >= skip:
-                yield epoch, n, batch
-        if n < 0:
+        it = epoch_batches(rows_fn, epoch, cfg, targets, rank)
+        for _ in range(skip):
+            skipped = next(it, None)
+            latest = skipped if skipped is not None else latest
+        k = skip
+        while True:
+            batch = next(it, None)
+            latest = batch if batch is not None else latest
+            n_active = active_ranks(batch is not None)
+            if n_active == 0:
+                break
+            if latest is None:
+                raise ValueError(f"rank {rank} got no training rows while other ranks did: fewer samples than "
+                                 "training workers?")
+            yield epoch, k, latest, batch is not None, n_active
+            k += 1
+        empty_epochs = empty_epochs + 1 if k == 0 else 0
+        if empty_epochs >= 2:  # no rank had a single batch in two whole epochs
             raise ValueError("training data is empty")
         epoch, skip = epoch + 1, 0
+
+
+def all_reduce_count(device: torch.device) -> Callable[[bool], int]:
+    """How many DDP ranks say yes (one scalar all-reduce on the process group's device)."""
+    import torch.distributed as dist
+
+    def count(flag: bool) -> int:
+        t = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(t)
+        return int(t.item())
+
+    return count
 
 
 def _step_metrics(
@@ -192,19 +229,23 @@ def train_loop(
         _truncate_log(log_path, state.step)
     extra = {"config": cfg.model_dump(), "aux_layer_ids": drafter.config.eagle_aux_hidden_state_layer_ids}
     targets = TargetIdsCache(target.lm_head, device)
-    stream = batch_stream(rows_fn, cfg, targets, state, rank)
+    stream = batch_stream(rows_fn, cfg, targets, state, rank,
+                          all_reduce_count(device) if world_size > 1 else int)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     metrics: dict = {}
     objective.train()
     while state.step < cfg.steps:
         t_data = time.perf_counter()
-        epoch, index, batch = next(stream)
+        epoch, index, batch, has_data, n_active = next(stream)
         t0 = time.perf_counter()
+        # DDP averages gradients over all ranks: make it the mean over the ranks with data; a waiting rank
+        # re-runs its latest batch at weight 0 (every rank must take part in every step).
+        weight = world_size / n_active if has_data else 0.0
         batch = batch.to(device)
         with autocast:
             out = objective(batch)
         optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        (out.loss * weight if weight != 1.0 else out.loss).backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         optimizer.step()
         scheduler.step()
@@ -212,9 +253,12 @@ def train_loop(
             torch.cuda.synchronize(device)
         state = LoopState(step=state.step + 1, epoch=epoch, batch_in_epoch=index + 1)
         metrics = _step_metrics(state.step, out, scheduler.get_last_lr()[0], grad_norm,
-                                batch.num_tokens, time.perf_counter() - t_data, epoch)
+                                batch.num_tokens if weight else 0, time.perf_counter() - t_data, epoch)
         metrics["data_s"] = t0 - t_data
-        metrics["fill"] = batch.num_tokens / batch.input_ids.numel()  # low: raise max_len so samples share rows
+        if world_size > 1:
+            metrics["active_ranks"] = n_active  # below world_size: the tail of an epoch on uneven shards
+        # low fill: raise max_len so samples share rows
+        metrics["fill"] = batch.num_tokens / batch.input_ids.numel() if weight else 0.0
         if rank == 0:
             with log_path.open("a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
@@ -264,7 +308,7 @@ def _ray_worker(config: dict) -> None:
             # when it polls the workers (every ~2 s), so wait for the last one to be committed:
             # otherwise the restart could legitimately begin from an earlier checkpoint.
             last = step - step % cfg.checkpoint_every
-            if last and rank == 0:
+            if last:  # every rank: one exiting early would restart the group before the commit
                 _wait_for_committed(Path(config["out_dir"]) / "ray" / RUN_NAME, f"step_{last:07d}")
             os._exit(1)
 
