@@ -8,9 +8,11 @@ small fixed set of columns plus the whole sample as JSON in ``detail``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 SAMPLE_SCHEMA = pa.schema([
     ("sample_id", pa.string()),
@@ -87,3 +89,11 @@ def empty_sample(prompt_row: dict[str, Any]) -> dict[str, Any]:
         if k in prompt_row:
             out[k] = prompt_row[k]
     return out
+
+
+def read_rows(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
+    """The named columns of every parquet shard in a folder (samples/ or quarantine/), in file order."""
+    rows: list[dict[str, Any]] = []
+    for f in sorted(Path(folder).glob("*.parquet")):
+        rows += pq.read_table(f, columns=columns).to_pylist()
+    return rows

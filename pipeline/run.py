@@ -23,7 +23,8 @@ from pipeline.audit import AuditAccumulator, summary_lines
 from pipeline.config import ChecksConfig, RunConfig
 from pipeline.datasets import load_dataset
 from pipeline.manifest import check_or_write_manifest
-from pipeline.records import QUARANTINE_SCHEMA, quarantine_row
+from pipeline.records import QUARANTINE_SCHEMA, quarantine_row, read_rows
+from pipeline.router import spilled_from
 from pipeline.stages import FLIGHT_SCHEMA, RenderPrompts, ValidateSamples, WriteShards, _atomic_write, shard_name
 from pipeline.validate import Verdict, assert_conservation
 
@@ -167,10 +168,10 @@ def create_ledgers(cfg: RunConfig, out: Path) -> dict[str, Any]:
 def spent_by_dataset(out: Path, source: str) -> dict[str, int]:
     """Billed completion tokens of one source in written samples and quarantined (but billed) samples."""
     spent: Counter = Counter()
-    for r in _read_all(out / "samples", ["dataset", "source", "billed_completion_tokens"]):
+    for r in read_rows(out / "samples", ["dataset", "source", "billed_completion_tokens"]):
         if r["source"] == source and (r["billed_completion_tokens"] or 0) > 0:
             spent[r["dataset"]] += r["billed_completion_tokens"]
-    for r in _read_all(out / "quarantine", ["dataset", "source", "detail"]):
+    for r in read_rows(out / "quarantine", ["dataset", "source", "detail"]):
         if r["source"] == source:
             billed = json.loads(r["detail"] or "{}").get("billed_completion_tokens") or 0
             spent[r["dataset"]] += max(int(billed), 0)
@@ -200,8 +201,6 @@ class Tally:
         return sum(self.status.values())
 
     def add(self, row: dict[str, Any]) -> None:
-        from pipeline.router import spilled_from
-
         self.status[row["status"]] += 1
         if row.get("output_ids") is not None:
             self.served[row.get("source") or ""] += 1
@@ -258,6 +257,13 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
         return {"skipped": "training is off and extraction streams into training: nothing to extract"}
     target_cfg = AutoConfig.from_pretrained(cfg.model.path)
     heldout = tcfg.heldout_fraction if tcfg is not None else 0.0
+
+    def heldout_split(rows: Any, keep: bool) -> Any:
+        """Only the held-out rows (at most ``heldout_max_samples``, for evaluation), or all the others."""
+        split = rows.map_batches(select_heldout, fn_kwargs={"fraction": heldout, "keep": keep},
+                                 batch_format="pyarrow", num_cpus=0)
+        return split.limit(tcfg.heldout_max_samples) if keep else split
+
     aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg.num_hidden_layers)
     stats_dir = out / "extract_stats"
     extractor_kwargs = {"backend": ex.backend, "dtype": ex.dtype, "device_map": ex.device_map,
@@ -272,19 +278,13 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
                           rows_per_call=ex.rows_per_call, dtype=ex.shard_dtype, num_actors=ex.num_actors,
                           num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=extractor_kwargs)
         timings.add("extract", t0)
-        ds = hidden_shards_dataset(out / "hidden")
-        if heldout:
-            all_rows = ds
-            ds = all_rows.map_batches(select_heldout, fn_kwargs={"fraction": heldout, "keep": False},
-                                      batch_format="pyarrow", num_cpus=0)
+        all_rows = hidden_shards_dataset(out / "hidden")
+        ds = heldout_split(all_rows, keep=False) if heldout else all_rows
     else:
         def extracted(keep_heldout: bool) -> Any:  # the samples (all but the held-out, or only them), extracted
             samples = ray.data.read_parquet(str(samples_dir), columns=SAMPLE_INPUT_COLUMNS)
             if heldout:
-                samples = samples.map_batches(select_heldout, fn_kwargs={"fraction": heldout, "keep": keep_heldout},
-                                              batch_format="pyarrow", num_cpus=0)
-                if keep_heldout:
-                    samples = samples.limit(tcfg.heldout_max_samples)
+                samples = heldout_split(samples, keep=keep_heldout)
             return samples.map_batches(
                 HiddenStateExtractor,
                 fn_constructor_args=(cfg.model.path, aux_ids, ex.max_len, ex.too_long, ex.batch_tokens,
@@ -315,11 +315,8 @@ def extract_and_train(cfg: RunConfig, out: Path, timings: Timings) -> dict[str, 
                       metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
         if heldout:
             t0 = time.perf_counter()
-            if ex.mode == "stream":  # a second, small extraction pass: one more engine start-up
-                held = extracted(keep_heldout=True)
-            else:
-                held = all_rows.map_batches(select_heldout, fn_kwargs={"fraction": heldout, "keep": True},
-                                            batch_format="pyarrow", num_cpus=0).limit(tcfg.heldout_max_samples)
+            # stream mode: a second, small extraction pass (one more engine start-up); shards: a re-read
+            held = extracted(keep_heldout=True) if ex.mode == "stream" else heldout_split(all_rows, keep=True)
             result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held.take_all(), tcfg.eval_k)
             timings.add("heldout_eval", t0)
     result["extraction"] = read_extract_stats(stats_dir) if stats_dir.exists() else {}
@@ -350,8 +347,8 @@ def draft_vocab_from_samples(samples_dir: Path, vocab_size: int, draft_vocab_siz
 
 def summarize(tally: Tally, counts: Counter, out: Path) -> dict[str, Any]:
     """Figures over everything written for this run (including earlier, resumed attempts)."""
-    samples = _read_all(out / "samples", ["sample_id", "dataset", "output_ids", "checks_flagged"])
-    quarantine = _read_all(out / "quarantine", ["sample_id", "dataset", "stage", "reason"])
+    samples = read_rows(out / "samples", ["sample_id", "dataset", "output_ids", "checks_flagged"])
+    quarantine = read_rows(out / "quarantine", ["sample_id", "dataset", "stage", "reason"])
     passed_ids = {r["sample_id"] for r in samples}
     q_ids = {r["sample_id"] for r in quarantine if r["sample_id"] not in passed_ids}
     rows_in = sum(v for k, v in counts.items() if k.endswith(".rows"))
@@ -396,13 +393,6 @@ def _ledger_report(ledger: Any) -> dict[str, Any]:
 def _reason_key(reason: str) -> str:
     """The reason's leading words (check name or error kind), for grouping."""
     return reason.split(":", 1)[0][:80]
-
-
-def _read_all(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for f in sorted(folder.glob("*.parquet")):
-        rows += pq.read_table(f, columns=columns).to_pylist()
-    return rows
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:

@@ -17,17 +17,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from pipeline.config import RunConfig
 from pipeline.datasets import load_dataset
-
-
-def _read(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for f in sorted(folder.glob("*.parquet")):
-        rows += pq.read_table(f, columns=columns).to_pylist()
-    return rows
+from pipeline.records import read_rows
 
 
 def _last_json_line(path: Path) -> dict[str, Any] | None:
@@ -111,8 +103,8 @@ def training_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
 
 def collect_status(cfg: RunConfig) -> dict[str, Any]:
     out = Path(cfg.output_dir)
-    samples = _read(out / "samples", ["sample_id", "dataset", "source", "billed_completion_tokens", "cost"])
-    quarantine = _read(out / "quarantine", ["sample_id", "dataset", "stage"])
+    samples = read_rows(out / "samples", ["sample_id", "dataset", "source", "billed_completion_tokens", "cost"])
+    quarantine = read_rows(out / "quarantine", ["sample_id", "dataset", "stage"])
     datasets = dataset_status(cfg, samples, quarantine)
     return {
         "output_dir": str(out),

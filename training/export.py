@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from training.model import Eagle3Drafter
+
+if TYPE_CHECKING:
+    from training.target import TargetParts
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 AUX_CONVENTION = "vllm: id i = input of target decoder layer i = HF output_hidden_states[i]"
@@ -83,9 +87,9 @@ def export_draft(
     return out
 
 
-def load_exported(export_dir: str | Path, target_dir: str | Path | None = None) -> Eagle3Drafter:
-    """Rebuild the drafter from an export folder (float32). Embeddings come from `target_dir`
-    when given, else stay zero (the export has none)."""
+def load_exported(export_dir: str | Path, target_dir: str | Path | TargetParts | None = None) -> Eagle3Drafter:
+    """Rebuild the drafter from an export folder (float32). Embeddings come from `target_dir` (or its
+    already loaded parts) when given, else stay zero (the export has none)."""
     export_dir = Path(export_dir)
     raw = json.loads((export_dir / "config.json").read_text())
     kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "eagle_config", "torch_dtype")}
@@ -102,9 +106,10 @@ def load_exported(export_dir: str | Path, target_dir: str | Path | None = None) 
     with torch.no_grad():
         drafter.embed_tokens.weight.zero_()
         if target_dir is not None:
-            from training.target import load_target_parts
+            from training.target import TargetParts, load_target_parts
 
-            drafter.embed_tokens.weight.copy_(load_target_parts(target_dir).embed_tokens)
+            parts = target_dir if isinstance(target_dir, TargetParts) else load_target_parts(target_dir)
+            drafter.embed_tokens.weight.copy_(parts.embed_tokens)
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     if missing != ["embed_tokens.weight"] or unexpected:
         raise KeyError(f"export mismatch: missing {missing}, unexpected {unexpected}")

@@ -51,10 +51,10 @@ def heldout_acceptance(export_dir: str | Path, target_dir: str | Path, rows: Seq
 
     if not rows:
         return {"samples": 0, "k": k, "skipped": "no held-out samples (raise training.heldout_fraction)"}
-    drafter = load_exported(export_dir, target_dir)
-    lm_head = load_target_parts(target_dir).lm_head
+    target = load_target_parts(target_dir)  # once: embeddings for the drafter, lm_head for verification
+    drafter = load_exported(export_dir, target)
     with torch.no_grad():
-        stats = simulate_acceptance(drafter, rows, lm_head, k=k)
+        stats = simulate_acceptance(drafter, rows, target.lm_head, k=k)
     return {"samples": len(rows), "k": k, "acceptance_length": round(stats.acceptance_length, 4),
             "per_position": [round(p, 4) for p in stats.per_position], "drafts": stats.num_drafts,
             "tokens": int(sum(int(np.asarray(r["loss_mask"]).sum()) for r in rows))}
