@@ -71,12 +71,18 @@ def main() -> None:
 
     from pipeline.profiles import load_profile
     from pipeline.tiny_model import build_tiny_target
+    from tests.helpers.training import (
+        build_tiny_llama,
+        greedy_continue,
+        load_hf_target,
+        rows_from_target,
+        torch_threads,
+    )
     from training.config import DraftTrainConfig
     from training.evaluate import measure_in_subprocess
     from training.export import export_draft
     from training.simulate import simulate_acceptance
     from training.target import load_target_parts
-    from training.testing import build_tiny_llama, greedy_continue, load_hf_target, rows_from_target, torch_threads
     from training.train import prepare_drafter, train_loop
     from training.vocab import build_vocab_mapping
 

@@ -34,7 +34,7 @@ from pipeline.extract import HiddenStateExtractor, right_pad, token_batches  # n
 from pipeline.hidden_shards import shard_meta, write_shards  # noqa: E402
 
 MODELS = {
-    # name: build overrides for training.testing.build_tiny_llama (None = the pipeline's tiny target)
+    # name: build overrides for tests.helpers.training.build_tiny_llama (None = the pipeline's tiny target)
     "tiny": None,
     "medium": dict(vocab_size=32_000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096),
@@ -148,7 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from pipeline.tiny_model import build_tiny_target
-    from training.testing import build_tiny_llama
+    from tests.helpers.training import build_tiny_llama
 
     repo = Path(__file__).resolve().parents[1]
     results = []

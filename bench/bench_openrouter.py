@@ -90,7 +90,9 @@ async def _openai_sdk(url: str, n: int, conc: int, max_tokens: int, key: str) ->
 
 async def _ours(url: str, n: int, conc: int, max_tokens: int, key: str) -> int:
     """The Ray Data callable itself, in process: retries, ledger, id rebuild, checks, Arrow output batch."""
-    from pipeline.sources.openrouter import OpenRouterGenerator, OpenRouterSourceConfig, local_ledger
+    from pipeline.config import OpenRouterSourceConfig
+    from pipeline.sources.openrouter import OpenRouterGenerator
+    from tests.helpers.http import local_ledger
 
     cfg = OpenRouterSourceConfig(model=MODEL, base_url=url, api_key_env=KEY_ENV, max_in_flight=conc,
                                  request_timeout_s=600, sampling={"max_tokens": max_tokens},

@@ -73,7 +73,7 @@ def warm_up(stage: Any) -> None:
 
 
 def run_direct(stage: Any, rows: list[dict[str, Any]], batch_size: int) -> tuple[float, list[list[int]]]:
-    from pipeline.stages import rows_to_table
+    from pipeline.flight import rows_to_table
 
     t0 = time.perf_counter()
     ids: list[list[int]] = []
@@ -83,7 +83,7 @@ def run_direct(stage: Any, rows: list[dict[str, Any]], batch_size: int) -> tuple
     return time.perf_counter() - t0, ids
 
 
-def run_ray(args: argparse.Namespace, rows: list[dict[str, Any]], engine: dict[str, Any],
+def run_ray(args: argparse.Namespace, rows: list[dict[str, Any]], engine: Any,
             sampling: dict[str, Any]) -> dict[str, Any]:
     import ray
     import ray.data
@@ -93,7 +93,7 @@ def run_ray(args: argparse.Namespace, rows: list[dict[str, Any]], engine: dict[s
     ctx.print_on_execution_start = False
     t0 = time.time()
     ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows) // args.batch_size))
-    ds = ds.map_batches(TimedVLLM, fn_constructor_args=(args.model_dir, "deepseek", sampling, engine, "vllm-cpu"),
+    ds = ds.map_batches(TimedVLLM, fn_constructor_args=(args.model_dir, "deepseek", sampling, engine),
                         batch_size=args.batch_size, batch_format="pyarrow", num_cpus=1,
                         compute=ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2))
     out = ds.take_all()
@@ -120,12 +120,14 @@ def main() -> None:
     build_tiny_target(args.model_dir)
     rows = flight_rows(args.model_dir, args.prompts)
     sampling = {"temperature": 0.0, "top_p": 1.0, "max_tokens": args.max_tokens, "seed": 0}
-    engine = {"dtype": "float32", "max_model_len": 2048, "kv_cache_gib": 1}
+    from pipeline.config import VLLMSourceConfig
+
+    engine = VLLMSourceConfig(name="vllm-cpu", dtype="float32", max_model_len=2048, kv_cache_gib=1)
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}})
 
     t0 = time.perf_counter()
-    direct = VLLMGenerator(args.model_dir, "deepseek", sampling, engine, "vllm-cpu")
+    direct = VLLMGenerator(args.model_dir, "deepseek", sampling, engine)
     warm_up(direct)
     direct_startup = time.perf_counter() - t0
     before, ids_direct = run_direct(direct, rows, args.batch_size)

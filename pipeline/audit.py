@@ -9,10 +9,9 @@ from parallel workers combine with ``merge``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from pipeline.config import ChecksConfig
+from pipeline.layout import atomic_write, atomic_write_json
 from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA
 from pipeline.validate import (
     CHECK_NAMES,
@@ -192,8 +192,11 @@ class AuditAccumulator:
     accumulator's own thresholds decide, so billing figures exist whatever the check's mode.
     """
 
-    def __init__(self, cfg: ChecksConfig | None = None, max_examples: int = 5) -> None:
+    def __init__(self, cfg: ChecksConfig | None = None, max_examples: int = 5,
+                 dataset_checks: Mapping[str, ChecksConfig] | None = None) -> None:
         self.cfg = cfg or ChecksConfig()
+        # Per-dataset checks where datasets differ: their thresholds and modes apply to their own samples.
+        self.dataset_checks = dict(dataset_checks or {})
         self.max_examples = max_examples
         self.total = _Block()
         self.by_provider: dict[str, _Block] = {}
@@ -207,7 +210,8 @@ class AuditAccumulator:
             if "billing" in verdict.ran:
                 outlier = "billing" in verdict.failed or "billing" in verdict.flagged
             else:
-                outlier = billing_outlier(diff, billed, self.cfg)
+                cfg = self.dataset_checks.get(str(sample.get("dataset")), self.cfg)
+                outlier = billing_outlier(diff, billed, cfg)
             billing = (diff, billed, outlier)
         provider = str(sample.get("provider") or UNKNOWN)
         dataset = str(sample.get("dataset") or UNKNOWN)
@@ -226,7 +230,8 @@ class AuditAccumulator:
         """The report dict: the totals at the top level, the same figures per provider and dataset."""
         out = self.total.report(self.cfg)
         out["by_provider"] = {k: b.report(self.cfg) for k, b in sorted(self.by_provider.items())}
-        out["by_dataset"] = {k: b.report(self.cfg) for k, b in sorted(self.by_dataset.items())}
+        out["by_dataset"] = {k: b.report(self.dataset_checks.get(k, self.cfg))
+                             for k, b in sorted(self.by_dataset.items())}
         out["thresholds"] = {
             "billing_abs_threshold": self.cfg.billing_abs_threshold,
             "billing_rel_threshold": self.cfg.billing_rel_threshold,
@@ -434,9 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = summary_lines(report)
     print("\n".join(lines))
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        atomic_write_json(args.json_path, report, ensure_ascii=False)
     if args.html_path:
         from pipeline.audit_html import render_html
 
-        Path(args.html_path).write_text(render_html(report, title=f"Audit of {args.path}", summary=lines))
+        atomic_write(args.html_path, render_html(report, title=f"Audit of {args.path}", summary=lines))
     return 0 if report["gate"]["ok"] else 1

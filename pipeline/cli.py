@@ -26,19 +26,34 @@ def _load(args: argparse.Namespace, check_paths: bool = True) -> RunConfig | Non
     return cfg
 
 
+# Exit codes of `run` (README: "Exit codes"): done; rows left to do (a re-run resumes them); refused to start
+# (config, input, a folder written with other settings, a folder another run holds); an unexpected failure is 1.
+EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_LEFT_TO_DO = 0, 1, 2, 3
+
+
 def _run(args: argparse.Namespace) -> int:
     from pipeline.manifest import ManifestMismatch
     from pipeline.run import run
+    from pipeline.run_lock import LockHeld
 
     cfg = _load(args)
     if cfg is None:
-        return 2
+        return EXIT_REFUSED
     try:
-        run(cfg)
+        report = run(cfg)
     except ManifestMismatch as e:
         print(f"refusing to resume: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_REFUSED
+    except LockHeld as e:
+        print(f"refusing to start: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    left = report["not_generated"]
+    if left:
+        print(f"{left} prompts left to do (exit {EXIT_LEFT_TO_DO}); resume with: python -m pipeline run {args.config}"
+              + (f" --output-dir {args.output_dir}" if getattr(args, "output_dir", None) else ""), flush=True)
+        return EXIT_LEFT_TO_DO
+    print(f"done: every prompt passed or quarantined (exit {EXIT_DONE})", flush=True)
+    return EXIT_DONE
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -1,15 +1,21 @@
-"""One config schema for a run, loaded from YAML and checked before Ray starts."""
+"""Every schema of a run config, loaded from YAML and checked before Ray starts.
+
+This module imports no runtime code (no Ray, engines, sources or stages): the runtime
+imports it, never the other way round. Cross-field rules live in the validators, so
+``python -m pipeline check`` catches everything a run would refuse later.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.ledger import HealthPolicy
-from pipeline.router import RoutingConfig, check_routing
+from pipeline.profiles import PROFILE_NAMES
 from training.config import DraftTrainConfig
 
 
@@ -20,19 +26,26 @@ class Strict(BaseModel):
 class ModelConfig(Strict):
     """The target: a profile plus, optionally, a model folder whose tokenizer and template win."""
 
-    profile: Literal["deepseek", "qwen3", "kimi-k2.5"] = "deepseek"
+    profile: str = "deepseek"  # a name in pipeline.profiles.PROFILES
     path: str | None = None
     build_tiny: bool = False  # build the tiny CPU target at `path` when it is absent
     # Which tiny target: "well-formed" behaves like a trained reasoning model (a clean run passes every
     # check); "wild" writes </think>, end-of-turn and tool markers at random (the checks' hard cases).
     tiny_variant: Literal["well-formed", "wild"] = "well-formed"
 
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        if v not in PROFILE_NAMES:
+            raise ValueError(f"unknown model profile {v!r} (known: {', '.join(PROFILE_NAMES)})")
+        return v
+
 
 class SamplingConfig(Strict):
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(128, gt=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
 
 
 CheckMode = Literal["quarantine", "flag", "off"]
@@ -86,54 +99,55 @@ class DatasetConfig(Strict):
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
 
 
-class EngineErrors(Strict):
+class EngineSourceConfig(Strict):
+    """What every local engine source has: an actor pool, its resources, and what an engine error does."""
+
+    name: str
+    num_actors: int = Field(1, gt=0)
+    max_actors: int | None = None  # > num_actors: Ray Data grows the pool while the queue is backed up
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    tensor_parallel_size: int = Field(1, gt=0)
+    batch_size: int = Field(16, gt=0)
+    dtype: str = "auto"
+    max_model_len: int = Field(4096, gt=0)
     on_error: Literal["quarantine", "raise"] = "quarantine"  # raise: let Ray retry the batch
     isolate_errors: bool = True  # retry a failed batch one row at a time so one bad prompt fails alone
 
 
-class VLLMSourceConfig(EngineErrors):
+class VLLMSourceConfig(EngineSourceConfig):
     kind: Literal["vllm"] = "vllm"
     name: str = "vllm"
-    num_actors: int = Field(1, gt=0)
-    max_actors: int | None = None
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    tensor_parallel_size: int = 1
-    batch_size: int = 16
-    dtype: str = "auto"
-    max_model_len: int = 4096
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
     enforce_eager: bool = True
-    gpu_memory_utilization: float | None = None
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
 
 
-class SGLangSourceConfig(EngineErrors):
+class SGLangSourceConfig(EngineSourceConfig):
     kind: Literal["sglang"] = "sglang"
     name: str = "sglang"
-    num_actors: int = Field(1, gt=0)
-    max_actors: int | None = None
-    num_cpus: float = 1.0
-    num_gpus: float = 1.0
-    tensor_parallel_size: int = 1
-    batch_size: int = 64
-    dtype: str = "auto"
-    max_model_len: int = 4096
+    num_gpus: float = Field(1.0, ge=0)
+    batch_size: int = Field(64, gt=0)
     mem_fraction_static: float | None = None
     attention_backend: str | None = None
     deterministic: bool | None = None  # None: on when temperature > 0 (needed for per-sample seeds)
+    log_level: str = "error"
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _tp_needs_gpus(self) -> SGLangSourceConfig:
+        # SGLang forks its TP workers on the actor's own GPUs (no placement group), so the actor holds them all.
+        if self.num_gpus and self.tensor_parallel_size > self.num_gpus:
+            raise ValueError(f"source {self.name!r}: tensor_parallel_size {self.tensor_parallel_size} needs "
+                             f"num_gpus >= {self.tensor_parallel_size}")
+        return self
 
-class TransformersSourceConfig(EngineErrors):
+
+class TransformersSourceConfig(EngineSourceConfig):
     kind: Literal["transformers"] = "transformers"
     name: str = "transformers"
-    num_actors: int = Field(1, gt=0)
-    max_actors: int | None = None
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    batch_size: int = 8
+    batch_size: int = Field(8, gt=0)
     dtype: str = "float32"
-    max_model_len: int = 4096
 
 
 class ExtractionConfig(Strict):
@@ -188,9 +202,6 @@ class HealthConfig(Strict):
     max_error_rate: float = Field(0.5, ge=0, le=1)
     max_invalid_rate: float = Field(0.2, ge=0, le=1)  # billing drift or malformed structure
 
-    def policy(self) -> HealthPolicy:
-        return HealthPolicy(**self.model_dump())
-
 
 class OpenRouterSourceConfig(Strict):
     """OpenRouter or any OpenAI-compatible chat-completions endpoint (vLLM, SGLang, gateways)."""
@@ -212,7 +223,8 @@ class OpenRouterSourceConfig(Strict):
     sampling: SamplingConfig | None = None  # overrides the run's sampling for this source
     extra_body: dict[str, Any] = Field(default_factory=dict)
     # Completion-token budget per dataset name; datasets not listed get default_budget (None: unlimited).
-    budgets: dict[str, int] = Field(default_factory=dict)
+    # Every key must name a dataset of the run (a typo would otherwise leave that dataset unlimited).
+    budgets: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     default_budget: int | None = Field(None, ge=0)
     # Concurrency: num_actors..max_actors actors, each with up to max_in_flight requests.
     num_actors: int = Field(4, gt=0)
@@ -233,6 +245,15 @@ class OpenRouterSourceConfig(Strict):
     backoff_max_s: float = Field(60.0, ge=0)
     max_retry_after_s: float = Field(120.0, ge=0)
     budget_poll_s: float = Field(0.05, gt=0)  # first wait while in-flight reservations may free budget
+    # Outages: after circuit_failures transient failures in a row an actor stops sending, probes after a
+    # cool-down (doubling up to circuit_max_cooldown_s) and, open for circuit_give_up_s, leaves its rows to do.
+    circuit_failures: int = Field(20, gt=0)
+    circuit_cooldown_s: float = Field(5.0, gt=0)
+    circuit_max_cooldown_s: float = Field(120.0, gt=0)
+    circuit_give_up_s: float = Field(600.0, gt=0)
+    # A prompt whose retries ran out on transient failures stays to do; in this many runs, it is quarantined.
+    transient_runs: int = Field(3, gt=0)
+    journal_flush_s: float = Field(1.0, gt=0)  # response journal: fsync at most this often
     # Billing cross-check: drift counts as a validation failure when above both thresholds.
     billing_abs_threshold: int = 8
     billing_rel_threshold: float = 0.05
@@ -242,6 +263,58 @@ SourceConfig = Annotated[
     VLLMSourceConfig | SGLangSourceConfig | TransformersSourceConfig | OpenRouterSourceConfig,
     Field(discriminator="kind"),
 ]
+
+
+ToolRule = Literal["any", "exact_ids", "tools_sent"]
+
+
+class SourceRoute(Strict):
+    """How one source (by name) takes part in routing."""
+
+    role: Literal["primary", "overflow"] = "primary"
+    weight: float = Field(1.0, ge=0)  # share among the sources of its role (mode shares)
+    capacity: float | None = Field(None, gt=0)  # samples/s it sustains (mode overflow, primaries)
+
+
+class RoutingConfig(Strict):
+    """The ``routing:`` block (policy in pipeline.router); sources not listed are primaries of weight 1."""
+
+    mode: Literal["shares", "overflow"] = "shares"
+    sources: dict[str, SourceRoute] = Field(default_factory=dict)
+    deadline_s: float | None = Field(None, gt=0)  # mode overflow: what the local sources must finish in
+    reroute: bool = True  # a prompt its source cannot serve goes to its next source instead of quarantine
+    max_hops: int = Field(2, ge=0)  # further sources one prompt may try after its first
+    spill_late: bool = True  # mode overflow: prompts a local engine has not started by the deadline go to overflow
+    tool_prompts: ToolRule = "any"  # default for prompts that carry tools
+    tool_prompts_by_dataset: dict[str, ToolRule] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _overflow_needs_capacity(self) -> RoutingConfig:
+        if self.mode == "overflow":
+            if self.deadline_s is None:
+                raise ValueError("routing.mode overflow needs routing.deadline_s")
+            if not any(r.role == "overflow" for r in self.sources.values()):
+                raise ValueError("routing.mode overflow needs a source with role: overflow")
+        return self
+
+
+def check_routing(routing: RoutingConfig, source_names: Sequence[str], dataset_names: Sequence[str]) -> None:
+    """Cross checks between the routing block and the run's sources and datasets; errors name the key."""
+    for name in routing.sources:
+        if name not in source_names:
+            raise ValueError(f"routing.sources names unknown source {name!r} (known: {list(source_names)})")
+    for name in routing.tool_prompts_by_dataset:
+        if name not in dataset_names:
+            raise ValueError(f"routing.tool_prompts_by_dataset names unknown dataset {name!r}")
+    if routing.mode == "overflow":
+        for name in source_names:
+            r = routing.sources.get(name, SourceRoute())
+            if r.role == "primary" and r.capacity is None:
+                raise ValueError(f"routing.mode overflow: source {name!r} needs a capacity (samples/s)")
+
+
+def _duplicates(names: Sequence[str]) -> list[str]:
+    return sorted(n for n, c in Counter(names).items() if c > 1)
 
 
 class RunConfig(Strict):
@@ -258,20 +331,21 @@ class RunConfig(Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         names = [s.name for s in self.sources]
-        if len(set(names)) != len(names):
-            raise ValueError(f"source names must be unique, got {names}")
+        if dup := _duplicates(names):
+            raise ValueError(f"source names must be unique: {dup} appear more than once")
         ds_names = [d.name for d in self.datasets]
-        if len(set(ds_names)) != len(ds_names):
-            raise ValueError(f"dataset names must be unique, got {ds_names}")
+        if dup := _duplicates(ds_names):
+            raise ValueError(f"dataset names must be unique: {dup} appear more than once")
         for d in self.datasets:
             for s in d.sources or []:
                 if s not in names:
                     raise ValueError(f"dataset {d.name!r} names unknown source {s!r} (known: {names})")
-        check_routing(self.routing, names, ds_names)
         for s in self.sources:
-            tp, gpus = getattr(s, "tensor_parallel_size", 1), getattr(s, "num_gpus", 0.0)
-            if gpus and tp > gpus and s.kind == "sglang":
-                raise ValueError(f"source {s.name!r}: tensor_parallel_size {tp} needs num_gpus >= {tp}")
+            unknown = sorted(set(getattr(s, "budgets", None) or {}) - set(ds_names))
+            if unknown:
+                raise ValueError(f"source {s.name!r}: budgets name unknown datasets {unknown} (known: {ds_names}); "
+                                 "a misspelt key would leave that dataset without a cap")
+        check_routing(self.routing, names, ds_names)
         if self.training and self.training.aux_layer_ids and self.extraction.aux_layer_ids \
                 and self.training.aux_layer_ids != self.extraction.aux_layer_ids:
             raise ValueError(f"training.aux_layer_ids {self.training.aux_layer_ids} differ from "
@@ -309,8 +383,9 @@ def load_config(path: str | Path, *, base_dir: str | Path | None = None, check_p
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            lines.append(f"  {loc}: {err['msg']}")
+            loc = ".".join(str(x) for x in err["loc"]) or "(whole config)"
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {loc}: {msg}")
         raise ConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from None
     base = Path(base_dir) if base_dir else Path.cwd()
     cfg.output_dir = _resolve(cfg.output_dir, base)

@@ -12,8 +12,9 @@ so target logits are ``final_hidden @ lm_head.T`` and need not be stored.
 
 Layout: pure functions (mask, batching, row assembly) on top; the torch capture
 in the middle; thin adapters at the bottom (the Ray actor, the optional vLLM
-engine backend). Only numpy, pyarrow and torch are imported at module level so
-``bench/gpu_extract.py`` runs on a GPU machine without Ray, vLLM or pydantic.
+engine backend). Only numpy, pyarrow and ``pipeline.layout`` (stdlib and pyarrow) are
+imported at module level, torch where used, so ``bench/gpu_extract.py`` runs on a GPU
+machine without Ray, vLLM or pydantic.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.layout import RunLayout, atomic_path, atomic_write_json, atomic_write_table
+
 HIDDEN_CONVENTION = "vllm:input_of_layer"
 FINAL_CONVENTION = "post_norm"
 OUT_DTYPES = ("float32", "bfloat16")  # bfloat16 rows hold the raw bits as uint16 (offline shards only)
@@ -45,10 +48,6 @@ def capture_metadata(aux_layer_ids: Sequence[int], hidden: int, dtype: str = "fl
     return {"aux_layer_ids": list(aux_layer_ids), "convention": HIDDEN_CONVENTION, "final": FINAL_CONVENTION,
             "hidden_size": int(hidden), "dtype": dtype,
             "bytes_per_token": bytes_per_token(hidden, len(aux_layer_ids), 2 if dtype == "bfloat16" else 4)}
-
-
-def describe_capture(aux_layer_ids: list[int], hidden: int) -> str:
-    return json.dumps(capture_metadata(aux_layer_ids, hidden))
 
 
 def bytes_per_token(hidden: int, n_aux: int = 3, itemsize: int = 4) -> int:
@@ -435,12 +434,6 @@ def read_extract_stats(stats_dir: str | Path) -> dict[str, Any]:
     }
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    tmp.replace(path)
-
-
 # ----------------------------------------------------------------------------- Ray actor
 
 
@@ -485,7 +478,7 @@ class HiddenStateExtractor:
         self.hidden = cfg.hidden_size
         self.max_len, self.too_long, self.batch_tokens, self.out_dtype = max_len, too_long, batch_tokens, out_dtype
         self.quarantine_dir = Path(quarantine_dir)
-        self.stats_path = Path(stats_dir or self.quarantine_dir.parent / "extract_stats") / \
+        self.stats_path = Path(stats_dir or RunLayout(self.quarantine_dir.parent).extract_stats) / \
             f"extract-{socket.gethostname()}-{os.getpid()}.json"
         self.backend = backend
         if backend == "transformers":
@@ -511,17 +504,18 @@ class HiddenStateExtractor:
         n.busy_s = time.perf_counter() - t0
         self.counters.add(n)
         self.stats_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(self.stats_path, stats_record(self.counters, self.meta, self.device, self.backend))
+        atomic_write_json(self.stats_path, stats_record(self.counters, self.meta, self.device, self.backend), indent=1)
         return training_table(out, np.uint16 if self.out_dtype == "bfloat16" else np.float32)
 
     def _quarantine(self, bad: list[tuple[dict[str, Any], str]]) -> None:
+        from pipeline.flight import rows_to_table
         from pipeline.records import QUARANTINE_SCHEMA, quarantine_row
-        from pipeline.stages import _atomic_write, rows_to_table, shard_name
+        from pipeline.stages import shard_name
 
         q = [quarantine_row(r, "extract", reason) for r, reason in bad]
         self.quarantine_dir.mkdir(parents=True, exist_ok=True)
         path = self.quarantine_dir / shard_name([b["sample_id"] for b in q])
-        _atomic_write(rows_to_table(q, QUARANTINE_SCHEMA), path)
+        atomic_write_table(rows_to_table(q, QUARANTINE_SCHEMA), path)
 
 
 # ----------------------------------------------------------------------------- vLLM backend
@@ -652,9 +646,8 @@ def _cpu_hidden_states_connector() -> type:
             slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)).flatten()
             hs = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()
             os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-            tmp = pending.filename + ".tmp"
-            save_file({"hidden_states": hs.contiguous(), "token_ids": pending.token_ids.clone()}, tmp)
-            os.replace(tmp, pending.filename)
+            with atomic_path(pending.filename) as tmp:  # scratch (tmpfs by default): the fsync is free there
+                save_file({"hidden_states": hs.contiguous(), "token_ids": pending.token_ids.clone()}, str(tmp))
             lock_fd = self._lock_fds.pop(pending.req_id, None)
             if lock_fd is not None:
                 os.close(lock_fd)  # releases the reader's flock

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,11 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.extract import capture_metadata
+from pipeline.layout import RunLayout, atomic_path, atomic_write_json
 from training.data import as_float32, from_bf16_bits
 
 FORMAT = "eagle3-hidden-shards/1"
-INDEX = "index.json"
+INDEX = RunLayout(".").hidden_index.name
 META_KEY = b"eagle3_hidden"
 # Keys two shards must agree on to be read as one dataset.
 COMPATIBLE_KEYS = ("format", "aux_layer_ids", "convention", "final", "hidden_size", "dtype")
@@ -140,13 +140,8 @@ def write_shard(rows: list[dict[str, Any]], out_dir: str | Path, meta: dict[str,
     out.mkdir(parents=True, exist_ok=True)
     table = encode_rows(rows, meta)
     name = shard_file_name(table.column("sample_id").to_pylist())
-    tmp = out / f".{name}.tmp{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        with pa.ipc.new_file(fh, table.schema) as writer:
-            writer.write_table(table)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(out / name)
+    with atomic_path(out / name) as tmp, open(tmp, "wb") as fh, pa.ipc.new_file(fh, table.schema) as writer:
+        writer.write_table(table)
     return {"file": name, "samples": table.num_rows, "tokens": _n_tokens(table), "bytes": (out / name).stat().st_size}
 
 
@@ -206,9 +201,7 @@ def build_index(out_dir: str | Path) -> dict[str, Any]:
     index = {"format": FORMAT, "meta": meta, "shards": entries, "samples": len(seen), "tokens": tokens, "bytes": size,
              "bytes_per_token": round(size / tokens, 1) if tokens else None}
     if entries:
-        tmp = out / f".{INDEX}.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(index, indent=1) + "\n")
-        tmp.replace(out / INDEX)
+        atomic_write_json(out / INDEX, index, indent=1)
     return index
 
 
@@ -245,8 +238,9 @@ def quarantined_ids(quarantine_dir: str | Path, stage: str = "extract") -> set[s
 
 
 def remove_stale_temps(out_dir: str | Path) -> int:
-    """Delete temp files left by a killed writer (call only while no writer runs)."""
-    stale = list(Path(out_dir).glob(".shard-*.arrow.tmp*"))
+    """Delete temp files left by a killed writer (call only while no writer runs): hidden
+    ``.shard-*.arrow.*`` names, from ``pipeline.layout.temp_path`` (or the older ``.tmpPID`` suffix)."""
+    stale = list(Path(out_dir).glob(".shard-*.arrow.*"))
     for f in stale:
         f.unlink()
     return len(stale)

@@ -22,9 +22,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pipeline.config import HealthConfig
+
 log = logging.getLogger(__name__)
 
-Decision = Literal["granted", "wait", "exhausted"]
+Decision = Literal["granted", "wait", "exhausted", "halted"]
 Outcome = Literal["ok", "invalid", "error", "neutral"]
 
 
@@ -40,7 +42,9 @@ class Account:
     spent: int = 0
     reserved: int = 0
     cost: float = 0.0
-    requests: int = 0  # settled (billed) requests
+    sent: int = 0  # reservations granted: requests sent (retries included)
+    requests: int = 0  # settled: requests the provider billed (or may have billed)
+    released: int = 0  # requests that billed nothing (errors the provider does not charge)
     refused: int = 0  # reservations refused because the budget is spent
     overrun: int = 0  # tokens billed beyond their reservation
     restored: int = 0  # spend carried over from an earlier run
@@ -75,6 +79,7 @@ class BudgetLedger:
         acc = self.account(dataset)
         if acc.budget is None or acc.spent + acc.reserved + tokens <= acc.budget:
             acc.reserved += tokens
+            acc.sent += 1
             return "granted"
         if acc.spent + tokens <= acc.budget:
             return "wait"
@@ -100,7 +105,9 @@ class BudgetLedger:
 
     def release(self, dataset: str, reserved: int) -> None:
         """Return a reservation for a request that billed nothing."""
-        self._unreserve(self.account(dataset), dataset, reserved)
+        acc = self.account(dataset)
+        self._unreserve(acc, dataset, reserved)
+        acc.released += 1
 
     def restore(self, spent_by_dataset: Mapping[str, int], cost_by_dataset: Mapping[str, float] | None = None) -> None:
         """Carry over spend already written by an earlier run (call before any reservation)."""
@@ -117,7 +124,8 @@ class BudgetLedger:
 
     def report(self) -> dict[str, dict[str, Any]]:
         return {name: {"budget": a.budget, "spent": a.spent, "reserved": a.reserved, "cost": a.cost,
-                       "requests": a.requests, "refused": a.refused, "overrun": a.overrun, "restored": a.restored}
+                       "sent": a.sent, "requests": a.requests, "released": a.released, "refused": a.refused,
+                       "overrun": a.overrun, "restored": a.restored}
                 for name, a in sorted(self.accounts.items())}
 
     @staticmethod
@@ -131,16 +139,6 @@ def _check_budget(budget: int | None) -> int | None:
     if budget is not None and budget < 0:
         raise ValueError("budgets must be >= 0")
     return budget
-
-
-@dataclass
-class HealthPolicy:
-    """When a provider is routed around: error or validation-failure rate over a sliding window."""
-
-    window: int = 50
-    min_requests: int = 20
-    max_error_rate: float = 0.5
-    max_invalid_rate: float = 0.2
 
 
 @dataclass
@@ -163,8 +161,8 @@ class ProviderHealth:
     get better by being retried, and flapping would mix its samples back in.
     """
 
-    def __init__(self, policy: HealthPolicy | None = None) -> None:
-        self.policy = policy or HealthPolicy()
+    def __init__(self, policy: HealthConfig | None = None) -> None:
+        self.policy = policy or HealthConfig()
         self.providers: dict[str, ProviderStats] = {}
         self._excluded: tuple[str, ...] = ()
 
@@ -224,6 +222,7 @@ class ProviderHealth:
 #   ("reserve", dataset, tokens)                                    -> Decision
 #   ("settle", dataset, reserved, billed, cost, provider, outcome, drift) -> None
 #   ("release", dataset, reserved, provider, outcome)               -> None
+#   ("halt", reason)                                                -> None
 Op = tuple
 
 
@@ -231,11 +230,12 @@ class Ledger:
     """Budgets plus provider health behind one batched entry point; what the Ray actor hosts."""
 
     def __init__(self, budgets: Mapping[str, int | None] | None = None, *, default_budget: int | None = None,
-                 health: HealthPolicy | None = None, strict: bool = False,
+                 health: HealthConfig | None = None, strict: bool = False,
                  spent: Mapping[str, int] | None = None, journal: str | None = None) -> None:
         self.budget = BudgetLedger(budgets, default_budget=default_budget, strict=strict)
         self.health = ProviderHealth(health)
         self.settles = 0
+        self.halted: str | None = None  # why the source stopped sending (account failure); never journaled
         self.journal = journal
         self._journaled: dict[str, int] | None = None  # what the journal file holds now
         spent = dict(spent or {})
@@ -252,34 +252,43 @@ class Ledger:
         their samples; counting every outstanding reservation as spent on restore means a
         resumed run can never push the provider's bill past the budget.
         """
+        from pipeline.layout import atomic_write_json
+
         if not self.journal:
             return
         committed = {name: a.spent + a.reserved for name, a in self.budget.accounts.items()}
         if committed == self._journaled:
             return  # nothing changed (e.g. health-only ops): skip the fsync on this serialized path
-        tmp = f"{self.journal}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(committed, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.journal)
+        atomic_write_json(self.journal, committed, indent=None)
         self._journaled = committed
 
-    def apply(self, ops: Iterable[Op]) -> tuple[list[Any], tuple[str, ...]]:
-        """Run ops in order; returns their results and the providers excluded so far."""
+    def apply(self, ops: Iterable[Op]) -> tuple[list[Any], tuple[str, ...], str | None]:
+        """Run ops in order; returns their results, the providers excluded so far and why the source halted."""
         results: list[Any] = []
         for op in ops:
             kind = op[0]
             if kind == "reserve":
-                results.append(self.budget.reserve(op[1], op[2]))
+                results.append(self.reserve(op[1], op[2]))
             elif kind == "settle":
                 results.append(self.settle(*op[1:]))
             elif kind == "release":
                 results.append(self.release(*op[1:]))
+            elif kind == "halt":
+                results.append(self.halt(op[1]))
             else:
                 raise ValueError(f"unknown ledger op {kind!r}")
         self._write_journal()
-        return results, self.health.excluded
+        return results, self.health.excluded, self.halted
+
+    def reserve(self, dataset: str, tokens: int) -> Decision:
+        """A budget decision, or ``halted`` once the source hit an account failure (no more requests anywhere)."""
+        return "halted" if self.halted else self.budget.reserve(dataset, tokens)
+
+    def halt(self, reason: str) -> None:
+        """Stop every actor of this source from sending (401/402/403: more requests only fail or spend)."""
+        if not self.halted:
+            self.halted = reason
+            log.warning("source halted: %s", reason)
 
     def settle(self, dataset: str, reserved: int, billed: int, cost: float, provider: str, outcome: Outcome,
                drift: int | None) -> None:
@@ -301,7 +310,7 @@ class Ledger:
         """Tokens and cost per dataset and per provider, exclusions, and any budget violation."""
         return {"datasets": self.budget.report(), "providers": self.health.report(),
                 "excluded": list(self.health.excluded), "violations": list(self.budget.violations),
-                "settles": self.settles}
+                "settles": self.settles, "halted": self.halted}
 
 
 def read_journal(path: str | None) -> dict[str, int]:
@@ -312,22 +321,8 @@ def read_journal(path: str | None) -> dict[str, int]:
         return {k: int(v) for k, v in json.load(f).items()}
 
 
-def spent_from_samples(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
-    """Billed completion tokens per dataset in already-written samples (for :meth:`Ledger.restore`).
-
-    Counts each sample's final billed attempt; failed attempts that were billed
-    are not in the samples, so persist ``Ledger.report()`` too and take the max.
-    """
-    spent: dict[str, int] = {}
-    for r in rows:
-        billed = int(r.get("billed_completion_tokens") or 0)
-        if billed > 0:
-            spent[r["dataset"]] = spent.get(r["dataset"], 0) + billed
-    return spent
-
-
 def create_ledger(budgets: Mapping[str, int | None] | None = None, *, name: str | None = None,
-                  default_budget: int | None = None, health: HealthPolicy | None = None,
+                  default_budget: int | None = None, health: HealthConfig | None = None,
                   strict: bool = False, spent: Mapping[str, int] | None = None, journal: str | None = None) -> Any:
     """Start the shared ledger as a Ray actor (no CPU reserved; calls run one at a time)."""
     import ray
@@ -337,3 +332,11 @@ def create_ledger(budgets: Mapping[str, int | None] | None = None, *, name: str 
         actor_cls = actor_cls.options(name=name, get_if_exists=True)
     return actor_cls.remote(budgets, default_budget=default_budget, health=health, strict=strict, spent=spent,
                             journal=journal)
+
+
+def ledger_for(cfg: Any, *, spent: Mapping[str, int] | None = None, name: str | None = None,
+               strict: bool = False, journal: str | None = None) -> Any:
+    """The shared ledger actor for a spending source's config (its ``budgets``, ``default_budget`` and ``health``)."""
+    return create_ledger(cfg.budgets, name=name, default_budget=cfg.default_budget, health=cfg.health,
+                         strict=strict, spent=spent, journal=journal)
+

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.layout import RunLayout, atomic_write_json
 
-MANIFEST_FILE = "manifest.json"
+MANIFEST_FILE = RunLayout(".").manifest.name
 FULL_HASH_LIMIT = 256 * 2**20  # weight files up to this total size are hashed; larger ones by name and size
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json",
                    "merges.txt", "chat_template.jinja", "generation_config.json")
@@ -56,14 +57,12 @@ def model_fingerprint(model_dir: str | None) -> dict[str, Any]:
 
 def run_manifest(cfg: RunConfig) -> dict[str, Any]:
     """The settings that decide what a finished sample holds."""
+    from pipeline.sources.registry import source_kind
+
     sources = []
     for s in cfg.sources:
-        entry: dict[str, Any] = {"name": s.name, "kind": s.kind}
-        if s.kind == "openrouter":
-            entry |= {"model": s.model, "base_url": s.base_url, "reasoning_style": s.reasoning_style,
-                      "reasoning": s.reasoning, "send_tools": s.send_tools,
-                      "sampling": s.sampling.model_dump() if s.sampling else None}
-        sources.append(entry)
+        fields = s.model_dump(include=set(source_kind(s).manifest))
+        sources.append({"name": s.name, "kind": s.kind, **{k: fields.get(k) for k in source_kind(s).manifest}})
     return {
         "profile": cfg.model.profile,
         "model": model_fingerprint(cfg.model.path),
@@ -77,13 +76,15 @@ def run_manifest(cfg: RunConfig) -> dict[str, Any]:
 
 def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted paths where two manifests differ, with both values. Keys present in only one side count
-    as differences except under `sources` and `thinking`, where adding a source or dataset is allowed."""
+    as differences except under `sources` and `thinking`, where adding a source or dataset is allowed, and
+    inside one source's entry, where a field one version of the pipeline records and another does not
+    (e.g. a transport address once recorded) says nothing about the samples."""
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
         for key in sorted(set(old) | set(new)):
             path = f"{prefix}.{key}" if prefix else key
             if key not in old or key not in new:
-                if prefix == "thinking":
+                if prefix == "thinking" or prefix.startswith("sources."):
                     continue
                 out.append(f"{path}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
                 continue
@@ -102,7 +103,7 @@ def check_or_write_manifest(cfg: RunConfig, out: Path, has_samples: bool) -> dic
     A folder with samples but no manifest (written before manifests existed) gets one written now:
     nothing is known to compare against."""
     manifest = run_manifest(cfg)
-    path = out / MANIFEST_FILE
+    path = RunLayout(out).manifest
     if path.exists() and has_samples:
         old = json.loads(path.read_text())
         diffs = differences(old, manifest)
@@ -112,7 +113,5 @@ def check_or_write_manifest(cfg: RunConfig, out: Path, has_samples: bool) -> dic
                 f"{out} holds samples made with other settings; resuming would mix them:\n{listing}\n"
                 f"Use a new output_dir, or delete {path} if the existing samples are still what you want."
             )
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    atomic_write_json(path, manifest, sort_keys=True)
     return manifest

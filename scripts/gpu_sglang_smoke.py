@@ -42,7 +42,7 @@ def rendered_rows(model_dir: str, n: int) -> list[dict[str, Any]]:
 
 
 def run(stage: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from pipeline.stages import rows_to_table
+    from pipeline.flight import rows_to_table
 
     return stage(rows_to_table([dict(r) for r in rows])).to_pylist()
 
@@ -87,8 +87,10 @@ def main() -> int:
 
         build_tiny_target(args.model_dir)
 
-    engine = {"dtype": args.dtype, "max_model_len": 2048, "num_gpus": 1, "mem_fraction_static": 0.5,
-              "attention_backend": args.attention_backend}
+    from pipeline.config import SGLangSourceConfig
+
+    engine = SGLangSourceConfig(name="sglang-gpu", dtype=args.dtype, max_model_len=2048, num_gpus=1,
+                                mem_fraction_static=0.5, attention_backend=args.attention_backend)
     greedy = {"temperature": 0.0, "top_p": 1.0, "max_tokens": args.max_tokens, "seed": 0}
     sampled = {"temperature": 1.0, "top_p": 0.95, "max_tokens": args.max_tokens, "seed": 11}
     rows = rendered_rows(args.model_dir, args.prompts)
@@ -96,7 +98,7 @@ def main() -> int:
     report: dict[str, Any] = {"model_dir": args.model_dir, "prompts": len(rows)}
 
     t0 = time.perf_counter()
-    stage = SGLangGenerator(args.model_dir, "deepseek", greedy, engine, "sglang-gpu")
+    stage = SGLangGenerator(args.model_dir, "deepseek", greedy, engine)
     report["engine_start_s"] = round(time.perf_counter() - t0, 1)
     too_long = dict(rows[0], sample_id="chat:999:too-long", prompt_ids=rows[0]["prompt_ids"] * 200)
     t0 = time.perf_counter()
@@ -120,7 +122,7 @@ def main() -> int:
     report["finish"] = {k: sum(r["finish_reason"] == k for r in out[:-1]) for k in ("stop", "length")}
     stage.shutdown()
 
-    stage = SGLangGenerator(args.model_dir, "deepseek", sampled, engine, "sglang-gpu")
+    stage = SGLangGenerator(args.model_dir, "deepseek", sampled, engine)
     together = run(stage, rows)
     alone = run(stage, rows[3:4])
     report["seeded_sample_reproduced"] = alone[0]["output_ids"] == together[3]["output_ids"]

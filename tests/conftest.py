@@ -21,6 +21,23 @@ os.environ["RAY_AUTH_MODE"] = "disabled"  # a loopback test cluster; no token to
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 REPO = Path(__file__).resolve().parents[1]
+INTEGRATION = REPO / "tests" / "integration"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything under tests/integration is `slow` (the fast loop is `-m "not slow"`); `gpu` tests skip
+    without CUDA."""
+    cuda = None
+    for item in items:
+        if INTEGRATION in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None:
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA (gpu marker)"))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.layout import temp_path
 from training.model import EMBED_PARAM, Eagle3Drafter
 
 MODEL_FILE = "model.safetensors"
@@ -83,10 +84,14 @@ class LocalCheckpoints:
         if tmp_dir is None:
             return
         self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".step_*.tmp"):  # staging left by a killed run
+            shutil.rmtree(stale, ignore_errors=True)
         dest = self.root / f"step_{metrics['step']:07d}"
+        staging = temp_path(dest)  # hidden: `all()` never lists a half-copied checkpoint
+        shutil.copytree(tmp_dir, staging)
         if dest.exists():
             shutil.rmtree(dest)
-        shutil.copytree(tmp_dir, dest)
+        staging.rename(dest)
         for old in self.all()[: -self.keep]:
             shutil.rmtree(old)
 

@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from pipeline.layout import atomic_write_json
+
 SPEC_PREFIX = "vllm:spec_decode_"
 
 
@@ -35,6 +37,15 @@ def read_prompts(path: str | Path) -> list[list[int]]:
             item = item.get("prompt_token_ids", item.get("input_ids"))
         prompts.append([int(t) for t in item])
     return prompts
+
+
+def random_prompts(n: int, vocab_size: int, length: int | tuple[int, int], seed: int) -> list[list[int]]:
+    """Seeded random token-id prompts (fixed or uniformly drawn length)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lo, hi = (length, length) if isinstance(length, int) else length
+    return [rng.integers(3, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
 def spec_counters(metrics) -> dict:
@@ -181,7 +192,6 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = read_prompts(args.prompts)
     else:
         from training.target import read_target_config
-        from training.testing import random_prompts
 
         vocab = int(read_target_config(args.target)["vocab_size"])
         prompts = random_prompts(args.num_random_prompts, vocab, (8, 32), seed=12345)
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
                       args.dtype, baseline=not args.no_baseline)
     print(format_report(report))
     out = Path(args.out or Path(args.draft) / f"eval_k{args.k}.json")
-    out.write_text(json.dumps(report, indent=2))
+    atomic_write_json(out, report)
     print(f"report written to {out}")
     return report
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from pipeline.layout import atomic_path, atomic_write_json
 from training.model import Eagle3Drafter
 
 if TYPE_CHECKING:
@@ -79,11 +80,13 @@ def export_draft(
     target_config: dict,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write config.json + model.safetensors; returns the folder."""
+    """Write model.safetensors, then config.json (each whole; a folder with config.json is a
+    complete export, which ``pipeline status`` relies on); returns the folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(export_config(drafter, target_config, dtype), indent=2))
-    save_file(export_tensors(drafter, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(export_tensors(drafter, dtype), str(tmp), metadata={"format": "pt"})
+    atomic_write_json(out / "config.json", export_config(drafter, target_config, dtype))
     return out
 
 

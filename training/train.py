@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.layout import atomic_path, atomic_write
 from training.checkpoint import LocalCheckpoints, LoopState, load_checkpoint, save_checkpoint
 from training.config import DraftTrainConfig, resolve_aux_layer_ids
 from training.data import Batch, batches, shuffled, to_sample
@@ -57,7 +58,9 @@ def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
 
 
 def save_vocab(mapping: VocabMapping, path: Path) -> None:
-    save_file({"d2t": mapping.d2t, "t2d": mapping.t2d}, str(path))
+    """Written whole: a resume reuses any vocab file it finds."""
+    with atomic_path(path) as tmp:
+        save_file({"d2t": mapping.d2t, "t2d": mapping.t2d}, str(tmp))
 
 
 def load_vocab(path: Path) -> VocabMapping:
@@ -184,7 +187,7 @@ def _truncate_log(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last_step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+    atomic_write(path, "".join(ln + "\n" for ln in keep))  # a kill here keeps the old log, never half of it
 
 
 def train_loop(
@@ -280,8 +283,6 @@ def train_loop(
 
 def _ray_worker(config: dict) -> None:
     """Ray Train entry point: one DDP rank reading its dataset shard."""
-    import os
-
     import ray.train
     import ray.train.torch
 
@@ -299,21 +300,9 @@ def _ray_worker(config: dict) -> None:
         checkpoint = ray.train.Checkpoint.from_directory(str(ckpt_dir)) if ckpt_dir else None
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"step_{metrics['step']:07d}")
 
-    crash_at = config.get("crash_at_step")
     resumed = ray.train.get_checkpoint()
-
-    def after_step(step: int) -> None:
-        if crash_at is not None and resumed is None and step == crash_at:
-            # Simulate a killed worker (tests only). The controller registers reported checkpoints
-            # when it polls the workers (every ~2 s), so wait for the last one to be committed:
-            # otherwise the restart could legitimately begin from an earlier checkpoint.
-            last = step - step % cfg.checkpoint_every
-            if last:  # every rank: one exiting early would restart the group before the commit
-                _wait_for_committed(Path(config["out_dir"]) / "ray" / RUN_NAME, f"step_{last:07d}")
-            os._exit(1)
-
     common = dict(checkpoint_sink=sink, device=ray.train.torch.get_device(), rank=rank,
-                  world_size=world, after_step=after_step)
+                  world_size=world, after_step=config.get("after_step"))
     vocab = load_vocab(Path(config["vocab_path"]))
     if resumed is None:
         train_loop(cfg, config["target_dir"], config["out_dir"], rows_fn, vocab, **common)
@@ -322,17 +311,6 @@ def _ray_worker(config: dict) -> None:
         with resumed.as_directory() as ckpt_dir:  # copy: don't hold Ray's lock for the whole run
             shutil.copytree(ckpt_dir, local, dirs_exist_ok=True)
         train_loop(cfg, config["target_dir"], config["out_dir"], rows_fn, vocab, resume_from=Path(local), **common)
-
-
-def _wait_for_committed(run_dir: Path, checkpoint_name: str, timeout_s: float = 120.0) -> None:
-    """Block until Ray Train's checkpoint-manager snapshot lists `checkpoint_name`."""
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if snapshot.exists() and checkpoint_name in snapshot.read_text():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{checkpoint_name} was not committed in {snapshot}")
 
 
 def as_dataset(dataset_or_rows):
@@ -359,7 +337,7 @@ def train_drafter(
     out_dir: str | Path,
     *,
     vocab: VocabMapping | None = None,
-    crash_at_step: int | None = None,
+    after_step: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Train a drafter with Ray Train and export it to `out_dir/export`.
 
@@ -369,8 +347,9 @@ def train_drafter(
     stream, e.g. `build_vocab_mapping` over the samples' ids, to avoid an extra pass); it is
     saved in `out_dir` and reused on resume. Re-running with the same `out_dir` resumes from the
     latest checkpoint (Ray Train restores the run `out_dir/ray/drafter`). Uses the running Ray
-    or starts a local one. `crash_at_step` kills the worker once at that step to exercise
-    restart-from-checkpoint (tests only)."""
+    or starts a local one. `after_step(step)` runs on every worker after each optimizer step (and
+    after that step's checkpoint is reported), as in `train_loop`; it travels to the workers
+    pickled, so pass a module-level function or a `functools.partial` of one."""
     import ray
     import ray.data
     import ray.train
@@ -397,7 +376,7 @@ def train_drafter(
         _ray_worker,
         train_loop_config={
             "cfg": cfg.model_dump(), "target_dir": str(Path(target_dir).resolve()),
-            "out_dir": str(out_dir), "vocab_path": str(vocab_path), "crash_at_step": crash_at_step,
+            "out_dir": str(out_dir), "vocab_path": str(vocab_path), "after_step": after_step,
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=cfg.resources_per_worker

@@ -16,6 +16,7 @@ from pipeline.ledger import Decision, Ledger, Op, Outcome
 
 class LedgerClient(Protocol):
     excluded: tuple[str, ...]
+    halted: str | None
 
     async def reserve(self, dataset: str, tokens: int) -> Decision: ...
 
@@ -24,11 +25,14 @@ class LedgerClient(Protocol):
 
     async def release(self, dataset: str, reserved: int, provider: str, outcome: Outcome) -> None: ...
 
+    async def halt(self, reason: str) -> None: ...
+
 
 class _OpsClient:
     """The op vocabulary on top of a ``_submit`` that runs one op and returns its result."""
 
     excluded: tuple[str, ...] = ()
+    halted: str | None = None  # why the source stopped sending, as the ledger last said
 
     async def _submit(self, op: Op) -> Any:
         raise NotImplementedError
@@ -43,6 +47,9 @@ class _OpsClient:
     async def release(self, dataset: str, reserved: int, provider: str, outcome: Outcome) -> None:
         await self._submit(("release", dataset, reserved, provider, outcome))
 
+    async def halt(self, reason: str) -> None:
+        await self._submit(("halt", reason))
+
 
 class LocalLedgerClient(_OpsClient):
     """An in-process ledger (single process, tests, benchmarks): direct calls, no op batching."""
@@ -51,11 +58,13 @@ class LocalLedgerClient(_OpsClient):
         self.ledger = ledger
 
     async def _submit(self, op: Op) -> Any:
-        results, self.excluded = self.ledger.apply([op])
+        results, self.excluded, self.halted = self.ledger.apply([op])
         return results[0]
 
     async def reserve(self, dataset: str, tokens: int) -> Decision:
-        return self.ledger.budget.reserve(dataset, tokens)
+        decision = self.ledger.reserve(dataset, tokens)
+        self.halted = self.ledger.halted
+        return decision
 
     async def settle(self, dataset: str, reserved: int, billed: int, cost: float, provider: str,
                      outcome: Outcome, drift: int | None) -> None:
@@ -90,7 +99,7 @@ class RayLedgerClient(_OpsClient):
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
             self.calls += 1
             try:
-                results, excluded = await self.handle.apply.remote([op for op, _ in batch])
+                results, excluded, halted = await self.handle.apply.remote([op for op, _ in batch])
             except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
                 for _, fut in batch:
                     if not fut.done():
@@ -98,7 +107,7 @@ class RayLedgerClient(_OpsClient):
                 if not isinstance(e, Exception):
                     raise
                 continue
-            self.excluded = tuple(excluded)
+            self.excluded, self.halted = tuple(excluded), halted
             for (_, fut), res in zip(batch, results, strict=True):
                 if not fut.done():
                     fut.set_result(res)

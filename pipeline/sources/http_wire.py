@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.profiles.base import Completion
 from pipeline.reconstruct import completion_from_message as _shared_completion
@@ -24,6 +24,8 @@ from pipeline.reconstruct import completion_from_message as _shared_completion
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504, 524, 529})
 # Statuses that waiting will not fix: the request, the key, credits or moderation.
 FATAL_STATUS = frozenset({400, 401, 402, 403})
+# Statuses about the account (key, credits, permissions): every further request fails the same way.
+ACCOUNT_STATUS = frozenset({401, 402, 403})
 # Statuses that say nothing about one provider's health (rate limits, routing, our request).
 NEUTRAL_STATUS = frozenset({400, 401, 402, 403, 429, 503})
 # native_finish_reason values that mean the provider failed despite a normal-looking finish.
@@ -109,9 +111,16 @@ class Reply:
     native_finish_reason: str | None
 
 
+FailureClass = Literal["transient", "sample", "account"]
+
+
 @dataclass(frozen=True)
 class Failure:
-    """One failed attempt: why, whether to try again, and what it cost."""
+    """One failed attempt: why, whether to try again, and what it cost.
+
+    ``maybe_billed``: the request reached the provider and its bill is unknown (a cut body, a timeout, a
+    connection dropped after sending, an error body without usage); the budget keeps the whole reservation.
+    """
 
     kind: str  # http | in_band | body | network | timeout
     message: str
@@ -121,6 +130,15 @@ class Failure:
     provider: str = ""
     billed: int = 0
     cost: float = 0.0
+    maybe_billed: bool = False
+
+    @property
+    def failure_class(self) -> FailureClass:
+        """``account``: stop the source (401/402/403); ``sample``: this prompt fails the same way again
+        (quarantine); ``transient``: may pass later (the row stays to do)."""
+        if self.status in ACCOUNT_STATUS:
+            return "account"
+        return "transient" if self.retryable else "sample"
 
     @property
     def against_provider(self) -> bool:
@@ -143,22 +161,25 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
         payload = loads(raw) if raw and raw.strip() else None
     except (*JSONDecodeError, UnicodeDecodeError) as e:
         payload = None
-        if status == 200:
-            return Failure("body", f"response is not JSON ({e.__class__.__name__}: {_clip(str(e))})", True, 200)
+        if status == 200:  # typically a body cut mid-way: the provider finished (and billed) the generation
+            return Failure("body", f"response is not JSON ({e.__class__.__name__}: {_clip(str(e))})", True, 200,
+                           maybe_billed=True)
     if status != 200:
         return _http_failure(status, payload, raw, retry_after)
     if not isinstance(payload, dict):
-        return Failure("body", "empty or non-object response body", True, 200)
+        return Failure("body", "empty or non-object response body", True, 200, maybe_billed=True)
     provider = str(payload.get("provider") or "")
     billed, cost = _usage(payload)
+    unknown_bill = billed < 0
     if isinstance(payload.get("error"), dict):
         err = payload["error"]
         code = _int(err.get("code"))
         return Failure("in_band", _clip(str(err.get("message") or err)), code not in FATAL_STATUS, code,
-                       retry_after, _error_provider(err) or provider, max(billed, 0), cost)
+                       retry_after, _error_provider(err) or provider, max(billed, 0), cost, unknown_bill)
     choices = payload.get("choices")
     if not choices:
-        return Failure("in_band", "response has no choices", True, 200, retry_after, provider, max(billed, 0), cost)
+        return Failure("in_band", "response has no choices", True, 200, retry_after, provider, max(billed, 0), cost,
+                       unknown_bill)
     choice = choices[0]
     finish = choice.get("finish_reason")
     native = choice.get("native_finish_reason")
@@ -166,13 +187,14 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
         err = choice.get("error") or {}
         msg = err.get("message") if isinstance(err, dict) else err
         return Failure("in_band", f"finish_reason error: {_clip(str(msg or 'no detail'))}", True, 200,
-                       retry_after, provider, max(billed, 0), cost)
+                       retry_after, provider, max(billed, 0), cost, unknown_bill)
     if isinstance(native, str) and native.lower() in NATIVE_ERRORS:
         return Failure("in_band", f"native_finish_reason {native!r} with finish_reason {finish!r}", True, 200,
-                       retry_after, provider, max(billed, 0), cost)
+                       retry_after, provider, max(billed, 0), cost, unknown_bill)
     message = choice.get("message")
     if not isinstance(message, dict):
-        return Failure("in_band", "choice has no message", True, 200, retry_after, provider, max(billed, 0), cost)
+        return Failure("in_band", "choice has no message", True, 200, retry_after, provider, max(billed, 0), cost,
+                       unknown_bill)
     usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else None
     completion = completion_from_message(message, str(finish or "stop"), usage)
     return Reply(completion, str(payload.get("id") or ""), provider, str(payload.get("model") or ""),

@@ -1,16 +1,13 @@
-"""The OpenRouter / OpenAI-compatible HTTP source as a Ray Data stage.
+"""The OpenRouter / OpenAI-compatible HTTP source as Ray Data stages.
 
-Use::
-
-    ledger = ledger_for(cfg)                     # one Ray actor shared by every source actor
-    out = map_openrouter(ds, cfg, "deepseek", model_dir, ledger, sampling=run_cfg.sampling)
-    samples, quarantine, not_generated = split_outcomes(out.take_all())
-    report = ray.get(ledger.report.remote())     # tokens and cost per dataset and provider, exclusions
-
-Each actor runs its batches on one asyncio loop with up to ``cfg.max_in_flight``
-requests in flight. Every input row comes back as exactly one output row:
+``OpenRouterGenerator`` turns prompt rows into outcome rows: one per prompt,
 SAMPLE_SCHEMA columns plus ``status`` ("ok" | "quarantined" | "not_generated"),
-``error``, ``attempts`` and ``generation_id``.
+``error``, ``attempts`` and ``generation_id``. ``OpenRouterFlight`` is the same
+source in the generation chain's in-flight row contract (pipeline.flight): it
+serves the rows routed to it and folds each outcome back into its row. Each
+actor runs its batches on one asyncio loop with up to ``cfg.max_in_flight``
+requests in flight; all actors of a source share one budget ledger actor
+(``pipeline.ledger.ledger_for``).
 """
 
 from __future__ import annotations
@@ -18,24 +15,19 @@ from __future__ import annotations
 import gc
 import os
 import random
-from collections.abc import Iterable, Mapping
+import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
 
-from pipeline.config import SamplingConfig
-from pipeline.ledger import Ledger, create_ledger
+from pipeline.config import OpenRouterSourceConfig, SamplingConfig
+from pipeline.flight import NextSource, batch_to_rows, fail_row, leave_to_do, rows_to_table, served, serves
 from pipeline.profiles import load_profile
-from pipeline.records import SAMPLE_COLUMNS, SAMPLE_SCHEMA, quarantine_row
-from pipeline.sources.http_config import HealthConfig, OpenRouterSourceConfig, ProviderPreferences
+from pipeline.records import SAMPLE_COLUMNS, SAMPLE_SCHEMA
 from pipeline.sources.http_engine import NOT_GENERATED, OK, QUARANTINED, HttpEngine, Secret
+from pipeline.sources.http_journal import Record, ResponseJournal, journal_path
 from pipeline.sources.http_ledger_client import ledger_client
-
-__all__ = [
-    "HealthConfig", "OUTPUT_SCHEMA", "OpenRouterGenerator", "OpenRouterSourceConfig", "ProviderPreferences",
-    "STATUS_COLUMNS", "create_ledger", "ledger_for", "local_ledger", "map_openrouter", "read_api_key", "rows_of",
-    "split_outcomes",
-]
 
 # Columns the stage adds to SAMPLE_SCHEMA so one table carries all three outcomes.
 STATUS_COLUMNS = ["status", "error", "attempts", "generation_id"]
@@ -54,13 +46,6 @@ def read_api_key(cfg: OpenRouterSourceConfig) -> Secret:
         raise RuntimeError(f"source {cfg.name!r}: environment variable {cfg.api_key_env} is not set "
                            "(it must be set where the source actors run, before Ray starts)")
     return Secret(key)
-
-
-def ledger_for(cfg: OpenRouterSourceConfig, *, spent: Mapping[str, int] | None = None, name: str | None = None,
-               strict: bool = False, journal: str | None = None) -> Any:
-    """The shared ledger Ray actor for this source's budgets and health policy (journaled when given a path)."""
-    return create_ledger(cfg.budgets, name=name, default_budget=cfg.default_budget, health=cfg.health.policy(),
-                         strict=strict, spent=spent, journal=journal)
 
 
 def rows_of(batch: Any) -> list[dict[str, Any]]:
@@ -101,65 +86,81 @@ class OpenRouterGenerator:
 
     def __init__(self, cfg: OpenRouterSourceConfig | Mapping[str, Any], profile_name: str, model_dir: str | None,
                  ledger_handle: Any, *, sampling: SamplingConfig | Mapping[str, Any] | None = None,
-                 source_name: str | None = None, seed: int | None = None) -> None:
+                 source_name: str | None = None, seed: int | None = None, output_dir: str | None = None,
+                 replay: Mapping[str, Any] | None = None) -> None:
         self.cfg = cfg if isinstance(cfg, OpenRouterSourceConfig) else OpenRouterSourceConfig.model_validate(cfg)
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             sampling = SamplingConfig.model_validate(sampling)
         self.profile = load_profile(profile_name, model_dir)
+        name = source_name or self.cfg.name
+        # One journal file per actor (one writer per file); none outside a run folder (tests, benches).
+        journal = ResponseJournal(journal_path(output_dir, name, uuid.uuid4().hex[:12]),
+                                  flush_every_s=self.cfg.journal_flush_s) if output_dir else None
         self.engine = HttpEngine(self.cfg, self.profile, ledger_client(ledger_handle), read_api_key(self.cfg),
-                                 sampling=sampling, source_name=source_name,
-                                 rng=random.Random(seed) if seed is not None else None)
+                                 sampling=sampling, source_name=name,
+                                 rng=random.Random(seed) if seed is not None else None, journal=journal,
+                                 replay={k: _record(v) for k, v in (replay or {}).items()})
+        self._active = 0
         if self.cfg.tune_gc:
             tune_gc()
 
     async def __call__(self, batch: Any) -> pa.Table:
         rows = rows_of(batch)
-        out = await self.engine.run_rows(rows)
+        self._active += 1
+        try:
+            out = await self.engine.run_rows(rows)
+        finally:
+            self._active -= 1
+            if self._active == 0:  # idle: close the session (a Ray Data actor gets no shutdown call) and flush
+                await self.engine.close()
         return pa.Table.from_pylist(out, schema=OUTPUT_SCHEMA)
 
     async def close(self) -> None:
         await self.engine.close()
 
 
-def map_openrouter(ds: Any, cfg: OpenRouterSourceConfig, profile_name: str, model_dir: str | None, ledger: Any, *,
-                   sampling: SamplingConfig | None = None, source_name: str | None = None) -> Any:
-    """``ds.map_batches`` with an actor pool of OpenRouterGenerator, sized from the config."""
-    import ray
-
-    compute = ray.data.ActorPoolStrategy(min_size=cfg.num_actors, max_size=max(cfg.max_actors or 0, cfg.num_actors),
-                                         max_concurrent_calls_per_actor=cfg.max_concurrent_batches)
-    return ds.map_batches(
-        OpenRouterGenerator, fn_constructor_args=(cfg, profile_name, model_dir, ledger),
-        fn_constructor_kwargs={"sampling": sampling, "source_name": source_name},
-        compute=compute, batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=cfg.num_cpus)
+def _record(value: Any) -> Record:
+    return value if isinstance(value, Record) else Record.from_json(value)
 
 
-def split_outcomes(rows: Iterable[Mapping[str, Any]] | pa.Table) -> tuple[list[dict], list[dict], list[dict]]:
-    """(samples with SAMPLE_COLUMNS, quarantine rows at stage "generate", not-generated rows).
-
-    Not-generated rows are ``{sample_id, dataset, row_index, reason}``: not
-    failures, and simply absent from the samples, so a resumed run picks them up.
-    """
-    if isinstance(rows, pa.Table):
-        rows = rows.to_pylist()
-    samples, quarantine, not_generated = [], [], []
-    for r in rows:
-        status = r["status"]
-        if status == OK:
-            samples.append({k: r[k] for k in SAMPLE_COLUMNS})
-        elif status == QUARANTINED:
-            detail = {k: v for k, v in r.items() if k not in ("status", "error")}
-            quarantine.append(quarantine_row(detail, "generate", r["error"]))
-        elif status == NOT_GENERATED:
-            not_generated.append({"sample_id": r["sample_id"], "dataset": r["dataset"],
-                                  "row_index": int(r["row_index"]), "reason": r["error"]})
-        else:
-            raise ValueError(f"unknown status {status!r}")
-    return samples, quarantine, not_generated
+def merge_outcome(row: dict[str, Any], outcome: Mapping[str, Any], source_name: str,
+                  router: NextSource | None) -> dict[str, Any]:
+    """Fold one outcome row of ``OpenRouterGenerator`` into the in-flight row it answered."""
+    status = outcome["status"]
+    error = str(outcome.get("error") or "")
+    for k in ("source_kind", "provider", "model", "ids_from", "sampling"):
+        if outcome.get(k) is not None:
+            row[k] = outcome[k]
+    row["attempts"] = (row.get("attempts") or 0) + int(outcome.get("attempts") or 0)
+    if status == OK:
+        keep = ("prompt_ids", "prompt_assistant_mask", "sample_id", "dataset", "row_index")
+        row.update({k: outcome[k] for k in SAMPLE_COLUMNS if k in outcome and k not in keep})
+        served(row, source_name)
+    elif status == QUARANTINED:
+        fail_row(row, error or "quarantined by the HTTP source", source_name, router)
+    elif status == NOT_GENERATED:
+        leave_to_do(row, error, source_name, router)
+    else:
+        raise ValueError(f"unknown outcome status {status!r} from source {source_name!r}")
+    return row
 
 
-def local_ledger(cfg: OpenRouterSourceConfig, *, spent: Mapping[str, int] | None = None,
-                 strict: bool = False) -> Ledger:
-    """An in-process ledger for single-process use (tests, benchmarks); not shareable across actors."""
-    return Ledger(cfg.budgets, default_budget=cfg.default_budget, health=cfg.health.policy(), strict=strict,
-                  spent=spent)
+class OpenRouterFlight:
+    """The HTTP source in the in-flight row contract: serves its routed rows, passes the rest on."""
+
+    def __init__(self, model_dir: str | None, profile: str, sampling: SamplingConfig | Mapping[str, Any],
+                 cfg: OpenRouterSourceConfig, router: NextSource | None = None, *, ledger: Any,
+                 output_dir: str | None = None, replay: Mapping[str, str] | None = None) -> None:
+        self.name = cfg.name
+        self.router = router
+        self.inner = OpenRouterGenerator(cfg, profile, model_dir, ledger, sampling=sampling, source_name=cfg.name,
+                                         output_dir=output_dir, replay=replay)
+
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch_to_rows(batch)
+        todo = [r for r in rows if serves(r, self.name)]
+        if todo:
+            outcomes = (await self.inner(todo)).to_pylist()
+            for r, o in zip(todo, outcomes, strict=True):
+                merge_outcome(r, o, self.name, self.router)
+        return rows_to_table(rows)

@@ -21,49 +21,49 @@ import importlib.util
 import time
 from typing import Any
 
-from pipeline.sources.vllm_source import EngineResult, EngineSource, request_seed
+from pipeline.config import SamplingConfig, SGLangSourceConfig
+from pipeline.sources.engine import EngineResult, EngineSource, request_seed
 
 
 def sglang_available() -> bool:
     return importlib.util.find_spec("sglang") is not None
 
 
-def engine_kwargs(model_dir: str, engine: dict[str, Any], seed: int, sampled: bool) -> dict[str, Any]:
+def engine_kwargs(model_dir: str, cfg: SGLangSourceConfig, seed: int, sampled: bool) -> dict[str, Any]:
     """``sglang.Engine`` keyword arguments (names as in SGLang's ``ServerArgs``)."""
     kw: dict[str, Any] = {
         "model_path": model_dir,
-        "tp_size": int(engine.get("tensor_parallel_size") or engine.get("tp_size") or 1),
-        "dtype": engine.get("dtype", "auto"),
-        "context_length": int(engine.get("max_model_len") or 4096),
+        "tp_size": cfg.tensor_parallel_size,
+        "dtype": cfg.dtype,
+        "context_length": cfg.max_model_len,
         "skip_tokenizer_init": True,
         "random_seed": seed,
-        "log_level": engine.get("log_level", "error"),
+        "log_level": cfg.log_level,
     }
-    if engine.get("mem_fraction_static"):
-        kw["mem_fraction_static"] = float(engine["mem_fraction_static"])
-    if engine.get("attention_backend"):
-        kw["attention_backend"] = engine["attention_backend"]
-    deterministic = engine.get("deterministic")
-    if deterministic if deterministic is not None else sampled:
+    if cfg.mem_fraction_static:
+        kw["mem_fraction_static"] = float(cfg.mem_fraction_static)
+    if cfg.attention_backend:
+        kw["attention_backend"] = cfg.attention_backend
+    if cfg.deterministic if cfg.deterministic is not None else sampled:
         kw["enable_deterministic_inference"] = True
-    kw.update(engine.get("extra_engine_args") or {})
+    kw.update(cfg.extra_engine_args)
     return kw
 
 
-def sampling_params(sampling: dict[str, Any], sample_id: str, max_new_tokens: int, stops: list[int],
+def sampling_params(sampling: SamplingConfig, sample_id: str, max_new_tokens: int, stops: list[int],
                     seeded: bool) -> dict[str, Any]:
     """One request's ``sampling_params``; temperature 0 is SGLang's greedy (it maps it to top_k=1)."""
     p: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
-        "temperature": float(sampling["temperature"]),
-        "top_p": float(sampling["top_p"]),
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
         "top_k": -1,
         "stop_token_ids": list(stops),
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
     if seeded:
-        p["sampling_seed"] = request_seed(sample_id, int(sampling.get("seed", 0)))
+        p["sampling_seed"] = request_seed(sample_id, sampling.seed)
     return p
 
 
@@ -102,6 +102,7 @@ class SGLangGenerator(EngineSource):
 
     kind = "sglang"
 
+    cfg: SGLangSourceConfig
     engine: Any = None
 
     def preflight(self) -> None:
@@ -112,11 +113,10 @@ class SGLangGenerator(EngineSource):
     def start(self, model_dir: str) -> None:
         import sglang
 
-        sampling, engine = self.sampling, self.engine_cfg
-        self.seeded = float(sampling["temperature"]) > 0 and engine.get("deterministic") is not False
+        sampled = self.sampling.temperature > 0
+        self.seeded = sampled and self.cfg.deterministic is not False
         self.stops = sorted({int(self.profile.eot_id)})
-        self.engine = sglang.Engine(**engine_kwargs(model_dir, engine, int(sampling.get("seed", 0)),
-                                                    float(sampling["temperature"]) > 0))
+        self.engine = sglang.Engine(**engine_kwargs(model_dir, self.cfg, self.sampling.seed, sampled))
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
         params = [sampling_params(self.sampling, r["sample_id"], self.max_new_tokens(len(r["prompt_ids"])),

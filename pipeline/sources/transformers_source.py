@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pipeline.sources.vllm_source import EngineResult, EngineSource, request_seed
+from pipeline.config import SamplingConfig, TransformersSourceConfig
+from pipeline.sources.engine import EngineResult, EngineSource, request_seed
 
 
 def stop_ids(profile: Any, generation_config: Any | None) -> list[int]:
@@ -23,12 +24,12 @@ def stop_ids(profile: Any, generation_config: Any | None) -> list[int]:
     return sorted(ids)
 
 
-def generation_kwargs(sampling: dict[str, Any], max_new_tokens: int, stops: list[int]) -> dict[str, Any]:
+def generation_kwargs(sampling: SamplingConfig, max_new_tokens: int, stops: list[int]) -> dict[str, Any]:
     """``generate`` arguments matching the engines' semantics: greedy at temperature 0, no hidden top-k."""
     kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": stops, "pad_token_id": stops[0],
-                          "do_sample": float(sampling["temperature"]) > 0}
+                          "do_sample": sampling.temperature > 0}
     if kw["do_sample"]:
-        kw.update(temperature=float(sampling["temperature"]), top_p=float(sampling["top_p"]), top_k=0)
+        kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
     return kw
 
 
@@ -43,17 +44,18 @@ class TransformersGenerator(EngineSource):
 
     kind = "transformers"
 
+    cfg: TransformersSourceConfig
+
     def start(self, model_dir: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        engine = self.engine_cfg
         self.torch = torch
-        use_gpu = float(engine.get("num_gpus", 0)) > 0 and torch.cuda.is_available()
+        use_gpu = self.cfg.num_gpus > 0 and torch.cuda.is_available()
         self.device = "cuda" if use_gpu else "cpu"
         if not use_gpu:
-            torch.set_num_threads(max(1, int(engine.get("num_cpus", 1))))
-        dtype = getattr(torch, str(engine.get("dtype") or "float32").replace("auto", "float32"))
+            torch.set_num_threads(max(1, int(self.cfg.num_cpus)))
+        dtype = getattr(torch, self.cfg.dtype.replace("auto", "float32"))
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         self.gen_config = GenerationConfig()  # explicit: the folder's defaults (e.g. do_sample) do not leak in
         try:
@@ -69,7 +71,7 @@ class TransformersGenerator(EngineSource):
         torch = self.torch
         prompt = row["prompt_ids"]
         max_new = self.max_new_tokens(len(prompt))
-        torch.manual_seed(request_seed(row["sample_id"], int(self.sampling["seed"])))
+        torch.manual_seed(request_seed(row["sample_id"], self.sampling.seed))
         ids = torch.tensor([prompt], device=self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -34,7 +34,7 @@ from pipeline.extract import (
 from pipeline.profiles import load_profile
 
 AUX = [1, 2, 3]  # the tiny target has 4 layers; default_aux_layer_ids(4) spreads to these
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pipeline.config import SamplingConfig
 from pipeline.profiles import load_profile
 from pipeline.profiles.base import Completion
 from pipeline.reconstruct import rebuild_ids
-from pipeline.sources.http_config import OpenRouterSourceConfig, ProviderPreferences
+from pipeline.config import OpenRouterSourceConfig, ProviderPreferences
 from pipeline.sources.http_engine import Secret, request_options
 from pipeline.sources.http_wire import (
     FATAL_STATUS,

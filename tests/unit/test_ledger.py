@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.config import HealthConfig
 from pipeline.ledger import (
     BudgetExceeded,
     BudgetLedger,
-    HealthPolicy,
     Ledger,
     ProviderHealth,
-    spent_from_samples,
 )
+from tests.helpers.ledger import spent_from_samples
 
 
 def test_reserve_wait_exhausted():
@@ -90,7 +90,7 @@ def test_budget_never_exceeded(budget, max_tokens, bills):
 
 
 def test_health_excludes_on_error_rate():
-    h = ProviderHealth(HealthPolicy(window=10, min_requests=10, max_error_rate=0.5, max_invalid_rate=0.3))
+    h = ProviderHealth(HealthConfig(window=10, min_requests=10, max_error_rate=0.5, max_invalid_rate=0.3))
     h.record("B", "ok")
     for i in range(9):
         assert h.record("A", "error" if i % 2 else "ok") is None
@@ -102,7 +102,7 @@ def test_health_excludes_on_error_rate():
 
 
 def test_health_excludes_on_validation_failures_and_ignores_neutral():
-    h = ProviderHealth(HealthPolicy(window=20, min_requests=5, max_invalid_rate=0.2))
+    h = ProviderHealth(HealthConfig(window=20, min_requests=5, max_invalid_rate=0.2))
     for _ in range(50):
         h.record("B", "neutral")  # 429s and routing errors say nothing about B
     h.record("C", "ok")
@@ -117,7 +117,7 @@ def test_health_excludes_on_validation_failures_and_ignores_neutral():
 
 
 def test_health_never_routes_around_the_last_provider():
-    h = ProviderHealth(HealthPolicy(window=5, min_requests=5))
+    h = ProviderHealth(HealthConfig(window=5, min_requests=5))
     for _ in range(10):
         h.record("A", "error")
     assert h.excluded == ()  # alone: excluding it would leave nothing to serve
@@ -132,7 +132,7 @@ def test_health_never_routes_around_the_last_provider():
 
 def test_ledger_apply_batches_ops_and_reports():
     led = Ledger({"d": 100}, spent={"d": 10})
-    res, excluded = led.apply([("reserve", "d", 40), ("reserve", "d", 40), ("reserve", "d", 40),
+    res, excluded, _ = led.apply([("reserve", "d", 40), ("reserve", "d", 40), ("reserve", "d", 40),
                                ("settle", "d", 40, 20, 0.2, "A", "ok", 1),
                                ("release", "d", 40, "B", "error")])
     assert res == ["granted", "granted", "wait", None, None] and excluded == ()

@@ -152,12 +152,13 @@ def test_status_of_the_finished_run_matches_its_report(tiny_run):
 
 
 def test_rerun_resumes_without_regenerating(tiny_run):
+    from pipeline.layout import RunLayout
     from pipeline.run import finished_ids, read_prompts
 
     cfg, out, report = tiny_run
-    prompts, counts = read_prompts(cfg, out)
+    prompts, counts = read_prompts(cfg, RunLayout(out))
     assert prompts == []
-    assert counts["resumed_done"] == len(finished_ids(out)) == ROWS_IN
+    assert counts["resumed_done"] == len(finished_ids(RunLayout(out))) == ROWS_IN
 
 
 def test_rerun_with_other_sampling_or_target_is_refused(tiny_run, tmp_path):

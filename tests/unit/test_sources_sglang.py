@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.config import ChecksConfig
+from pipeline.config import ChecksConfig, SamplingConfig, SGLangSourceConfig
 from pipeline.profiles import load_profile
 from pipeline.records import empty_sample
 from pipeline.sources.sglang_source import (
@@ -16,7 +16,7 @@ from pipeline.sources.sglang_source import (
     sampling_params,
     sglang_available,
 )
-from pipeline.sources.vllm_source import fill_from_engine, request_seed
+from pipeline.sources.engine import fill_from_engine, request_seed
 from pipeline.validate import check_structure
 
 
@@ -85,26 +85,29 @@ def test_length_abort_and_malformed_responses(profile):
 
 
 def test_engine_and_sampling_arguments():
-    kw = engine_kwargs("/models/kimi", {"tensor_parallel_size": 8, "dtype": "bfloat16", "max_model_len": 32768,
-                                        "mem_fraction_static": 0.85}, seed=7, sampled=True)
+    cfg = SGLangSourceConfig(num_gpus=8, tensor_parallel_size=8, dtype="bfloat16", max_model_len=32768,
+                             mem_fraction_static=0.85)
+    kw = engine_kwargs("/models/kimi", cfg, seed=7, sampled=True)
     assert kw["model_path"] == "/models/kimi" and kw["tp_size"] == 8 and kw["skip_tokenizer_init"] is True
     assert kw["context_length"] == 32768 and kw["random_seed"] == 7 and kw["mem_fraction_static"] == 0.85
     assert kw["enable_deterministic_inference"] is True  # per-sample seeds need SGLang's seeded sampler
-    greedy = engine_kwargs("/m", {}, seed=0, sampled=False)
+    greedy = engine_kwargs("/m", SGLangSourceConfig(), seed=0, sampled=False)
     assert "enable_deterministic_inference" not in greedy and greedy["tp_size"] == 1
-    s = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 512, "seed": 3}
+    s = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=512, seed=3)
     p = sampling_params(s, "chat:1:aa", 500, [1], seeded=True)
     assert p["max_new_tokens"] == 500 and p["stop_token_ids"] == [1] and p["no_stop_trim"] is True
     assert p["sampling_seed"] == request_seed("chat:1:aa", 3) != sampling_params(s, "chat:2:bb", 500, [1],
                                                                                    True)["sampling_seed"]
-    assert "sampling_seed" not in sampling_params({**s, "temperature": 0.0}, "chat:1:aa", 10, [1], seeded=False)
+    greedy_s = s.model_copy(update={"temperature": 0.0})
+    assert "sampling_seed" not in sampling_params(greedy_s, "chat:1:aa", 10, [1], seeded=False)
 
 
 @pytest.mark.skipif(sglang_available(), reason="sglang is installed here")
 def test_missing_sglang_is_a_clear_start_error_not_an_import_failure():
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "seed": 0}
-    stage = SGLangGenerator("/models/tiny", "deepseek", sampling, {}, "sglang-gpu")  # its rows fail over
+    cfg = SGLangSourceConfig(name="sglang-gpu")
+    stage = SGLangGenerator("/models/tiny", "deepseek", sampling, cfg)  # its rows fail over
     assert stage.start_error.startswith("RuntimeError: ") and "sglang package is not installed" in stage.start_error
     stage.shutdown()  # no engine: nothing to stop, no error
     with pytest.raises(RuntimeError, match="sglang package is not installed"):
-        SGLangGenerator("/models/tiny", "deepseek", sampling, {"on_error": "raise"}, "sglang-gpu")
+        SGLangGenerator("/models/tiny", "deepseek", sampling, cfg.model_copy(update={"on_error": "raise"}))

@@ -1,9 +1,8 @@
-"""Offline hidden-state shards: exact round trip, atomic writes, resume, and the training loop reading them."""
+"""Offline hidden-state shards under Ray: resumable extraction feeding Ray Train, and the shards-mode run."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -12,133 +11,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.extract import capture, load_target
 from pipeline.hidden_shards import (
     INDEX,
-    build_index,
     completed_sample_ids,
     extract_to_shards,
-    from_bf16_bits,
     hidden_shards_dataset,
-    load_index,
     read_hidden_shards,
-    remove_stale_temps,
     shard_files,
-    shard_meta,
-    to_bf16_bits,
-    write_shard,
-    write_shards,
 )
 
 AUX = [1, 2, 3]
 H = 128
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def rows(tiny_target) -> list[dict]:
-    """Real captured rows from the tiny target."""
-    model = load_target(str(tiny_target))[0]
-    rng = np.random.default_rng(0)
-    seqs = [rng.integers(3, 120_000, n).tolist() for n in (40, 9, 25, 3, 31, 17, 12)]
-    out = []
-    for j, (s, (aux, final)) in enumerate(zip(seqs, capture(model, seqs, AUX), strict=True)):
-        mask = np.zeros(len(s), np.int8)
-        mask[len(s) // 2:] = 1
-        out.append({"sample_id": f"s{j}", "input_ids": np.asarray(s, np.int64), "loss_mask": mask,
-                    "aux_hidden": aux, "final_hidden": final})
-    return out
-
-
-def _by_id(rows):
-    return {r["sample_id"]: r for r in rows}
-
-
-def test_fp32_round_trip_is_exact_and_carries_the_convention(rows, tmp_path):
-    index = write_shards(rows, tmp_path, shard_meta(AUX, H), samples_per_shard=3)
-    assert sorted(e["samples"] for e in index["shards"]) == [1, 3, 3]
-    assert index["samples"] == 7 and index["tokens"] == sum(len(r["input_ids"]) for r in rows)
-    assert index["meta"]["convention"] == "vllm:input_of_layer" and index["meta"]["aux_layer_ids"] == AUX
-    assert 4 * H * 4 <= index["bytes_per_token"] < 4 * H * 4 * 1.2
-    back = _by_id(read_hidden_shards(tmp_path))
-    assert back.keys() == _by_id(rows).keys()
-    for r in rows:
-        b = back[r["sample_id"]]
-        for k in ("input_ids", "loss_mask", "aux_hidden", "final_hidden"):
-            np.testing.assert_array_equal(b[k], r[k])
-        assert b["aux_hidden"].dtype == np.float32 and b["input_ids"].dtype == np.int64
-
-
-def test_bf16_shards_halve_the_bytes_and_round_to_nearest(rows, tmp_path):
-    fp32 = write_shards(rows, tmp_path / "f", shard_meta(AUX, H, "float32"), 4)
-    bf16 = write_shards(rows, tmp_path / "b", shard_meta(AUX, H, "bfloat16"), 4)
-    assert bf16["bytes_per_token"] < 0.55 * fp32["bytes_per_token"]
-    back = _by_id(read_hidden_shards(tmp_path / "b"))
-    for r in rows:
-        want = torch.from_numpy(r["aux_hidden"]).to(torch.bfloat16).float().numpy()
-        np.testing.assert_array_equal(back[r["sample_id"]]["aux_hidden"], want)
-    x = np.array([1.0, -2.5, 3.1415927, 1e-30, 65504.0, -1e30], np.float32)
-    np.testing.assert_array_equal(from_bf16_bits(to_bf16_bits(x)), torch.from_numpy(x).bfloat16().float().numpy())
-
-
-def test_a_half_written_shard_is_never_visible(rows, tmp_path):
-    meta = shard_meta(AUX, H)
-    entry = write_shard(rows[:3], tmp_path, meta)
-    full = (tmp_path / entry["file"]).read_bytes()
-    (tmp_path / f".shard-deadbeef.arrow.tmp{os.getpid()}").write_bytes(full[: len(full) // 2])
-    assert [f.name for f in shard_files(tmp_path)] == [entry["file"]]
-    assert completed_sample_ids(tmp_path) == {"s0", "s1", "s2"}
-    assert len(list(read_hidden_shards(tmp_path))) == 3
-    assert remove_stale_temps(tmp_path) == 1 and not list(tmp_path.glob(".*tmp*"))
-
-
-def test_a_restart_skips_samples_in_complete_shards_and_repairs_the_index(rows, tmp_path):
-    meta = shard_meta(AUX, H)
-    write_shards(rows[:4], tmp_path, meta, samples_per_shard=2)
-    before = {f.name: f.stat().st_mtime_ns for f in shard_files(tmp_path)}
-    (tmp_path / INDEX).unlink()  # crashed between a shard's rename and the index update
-    index = write_shards(rows, tmp_path, meta, samples_per_shard=2)
-    after = {f.name: f.stat().st_mtime_ns for f in shard_files(tmp_path)}
-    assert {k: after[k] for k in before} == before, "complete shards are not rewritten"
-    assert len(after) == 4 and index["samples"] == 7
-    assert json.loads((tmp_path / INDEX).read_text())["samples"] == 7
-    write_shard(rows[5:7], tmp_path, meta)  # a shard the index does not list yet
-    assert load_index(tmp_path)["shards"] == build_index(tmp_path)["shards"]
-
-
-def test_a_sample_in_two_shards_is_read_once(rows, tmp_path):
-    meta = shard_meta(AUX, H)
-    write_shard(rows[:3], tmp_path, meta)
-    write_shard(rows[2:5], tmp_path, meta)  # a retried batch grouped differently
-    ids = [r["sample_id"] for r in read_hidden_shards(tmp_path)]
-    assert sorted(ids) == ["s0", "s1", "s2", "s3", "s4"]
-    assert build_index(tmp_path)["samples"] == 5
-
-
-def test_shards_with_another_convention_or_width_are_refused(rows, tmp_path):
-    write_shard(rows[:2], tmp_path, shard_meta(AUX, H))
-    write_shard(rows[2:4], tmp_path, shard_meta([0, 1, 2], H))
-    with pytest.raises(ValueError, match="does not match"):
-        build_index(tmp_path)
-    with pytest.raises(ValueError, match="shapes"):
-        write_shard(rows[:1], tmp_path / "w", shard_meta(AUX, 64))
-
-
-def test_the_training_loop_trains_from_shards(rows, tmp_path, tiny_target):
-    from training.config import DraftTrainConfig
-    from training.train import train_loop
-    from training.vocab import build_vocab_mapping
-
-    write_shards(rows, tmp_path / "shards", shard_meta(AUX, H), samples_per_shard=3)
-    vocab = build_vocab_mapping(read_hidden_shards(tmp_path / "shards"), 129_280, 64)
-    cfg = DraftTrainConfig(steps=2, batch_tokens=128, max_len=64, ttt_steps=2, draft_vocab_size=64,
-                           warmup_steps=0, checkpoint_every=100, aux_layer_ids=AUX, shuffle_buffer=4)
-    _, metrics = train_loop(cfg, tiny_target, tmp_path / "drafter",
-                            lambda epoch: read_hidden_shards(tmp_path / "shards"), vocab)
-    assert metrics["step"] == 2 and np.isfinite(metrics["loss"]) and metrics["tokens"] > 0
-
-
-# ----------------------------------------------------------------------------- Ray: resumable extraction
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _samples_parquet(path: Path, start: int, n: int, tiny_target: Path) -> None:

@@ -9,21 +9,15 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from pipeline.router import (
-    RoutingConfig,
-    assign_sources,
-    build_router,
-    chain_batch_size,
-    close_unserved,
-    merge_outcome,
-    overflow_shares,
-    rank_sources,
-    reroute_overrides,
-    source_infos,
-    spilled_from,
-)
-from pipeline.sources.vllm_source import fail_row, serves
-from pipeline.stages import FLIGHT_SCHEMA, rows_to_table
+from pipeline.config import RoutingConfig
+from pipeline.flight import FLIGHT_SCHEMA, fail_row, rows_to_table, serves
+from pipeline.router import build_router, overflow_shares, rank_sources, source_infos
+from pipeline.sources.chain import assign_sources, chain_batch_size, close_unserved, reroute_overrides
+from pipeline.sources.openrouter import merge_outcome
+
+
+def spilled_from(row: dict) -> str | None:
+    return row.get("spilled_from")
 
 
 def src(name: str, kind: str = "vllm", **kw):

@@ -87,7 +87,9 @@ def test_killed_driver_resumes_exactly_once_without_overspend(ray_head, tmp_path
     assert killed["manifest"] == {"present": True, "differences": []}
 
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    # exit 3: finished with rows left to do (math's budget), and the last line says how to resume
+    assert second.returncode == 3, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"resume with: python -m pipeline run {cfg_path}" in second.stdout.strip().splitlines()[-1]
     report = json.loads((out / "report.json").read_text())
 
     samples, quarantine = _rows(out / "samples"), _rows(out / "quarantine")

@@ -15,25 +15,29 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 
-from pipeline.config import DatasetConfig
-from pipeline.datasets import load_dataset
-from pipeline.router import RoutingConfig, build_router
-from pipeline.sources.transformers_source import TransformersGenerator
-from pipeline.sources.vllm_source import (
-    START_FAILED,
-    VLLMGenerator,
-    engine_resources,
-    release_placement_groups,
-    start_error_text,
-    start_failure,
+from pipeline.config import (
+    DatasetConfig,
+    RoutingConfig,
+    SamplingConfig,
+    SGLangSourceConfig,
+    TransformersSourceConfig,
+    VLLMSourceConfig,
 )
-from pipeline.stages import FLIGHT_SCHEMA, RenderPrompts, batch_to_rows, rows_to_table
+from pipeline.datasets import load_dataset
+from pipeline.flight import FLIGHT_SCHEMA, batch_to_rows, rows_to_table
+from pipeline.router import build_router
+from pipeline.sources.chain import engine_resources, release_placement_groups
+from pipeline.sources.engine import START_FAILED, start_error_text
+from pipeline.sources.transformers_source import TransformersGenerator
+from pipeline.sources.vllm_source import VLLMGenerator
+from pipeline.stages import RenderPrompts
 
 pytestmark = pytest.mark.slow
 
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "max_tokens": 24, "seed": 0}
 SAMPLED = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 16, "seed": 5}
-ENGINE = {"max_model_len": 2048, "dtype": "float32"}
+VLLM = VLLMSourceConfig(name="vllm-cpu", max_model_len=2048, dtype="float32")
+HF = TransformersSourceConfig(name="hf", max_model_len=2048, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,7 @@ def test_vllm_stage_keeps_exact_ids_and_isolates_a_bad_prompt(tiny_llm, tiny_tar
     oov = dict(fresh(flight_rows[:1])[0], sample_id="chat:99:oov")
     oov["prompt_ids"] = oov["prompt_ids"] + [10**7]  # rejected by the engine: the whole batch call raises
     other = dict(fresh(flight_rows[:1])[0], sample_id="chat:98:api", source="api")  # routed elsewhere
-    stage = VLLMGenerator(str(tiny_target), "deepseek", GREEDY, ENGINE, "vllm-cpu", llm=tiny_llm)
+    stage = VLLMGenerator(str(tiny_target), "deepseek", GREEDY, VLLM, llm=tiny_llm)
     out = stage(rows_to_table(rows + [oov, other])).to_pylist()
     by_id = {r["sample_id"]: r for r in out}
     assert len(out) == len(rows) + 2
@@ -91,14 +95,14 @@ def test_vllm_failure_is_rerouted_when_the_router_names_a_next_source(tiny_llm, 
                if router.ranking({**base, "sample_id": f"chat:{i}:oov"}) == ["vllm-cpu", "api"])
     row["prompt_ids"] = row["prompt_ids"] + [10**7]
     row["source"] = "vllm-cpu"
-    stage = VLLMGenerator(str(tiny_target), "deepseek", GREEDY, ENGINE, "vllm-cpu", router=router, llm=tiny_llm)
+    stage = VLLMGenerator(str(tiny_target), "deepseek", GREEDY, VLLM, router=router, llm=tiny_llm)
     (out,) = stage(rows_to_table([row])).to_pylist()
     assert (out["status"], out["source"], out["stage"]) == ("reroute", "api", "generate")
     assert out["reason"].startswith("vllm-cpu: engine error")
 
 
 def test_vllm_seeded_samples_do_not_depend_on_their_batch(tiny_llm, tiny_target, flight_rows):
-    stage = VLLMGenerator(str(tiny_target), "deepseek", SAMPLED, ENGINE, "vllm-cpu", llm=tiny_llm)
+    stage = VLLMGenerator(str(tiny_target), "deepseek", SAMPLED, VLLM, llm=tiny_llm)
     together = stage(rows_to_table(fresh(flight_rows))).to_pylist()
     alone = stage(rows_to_table(fresh(flight_rows[2:3]))).to_pylist()
     assert alone[0]["output_ids"] == together[2]["output_ids"]
@@ -107,7 +111,7 @@ def test_vllm_seeded_samples_do_not_depend_on_their_batch(tiny_llm, tiny_target,
 
 def test_transformers_greedy_ids_equal_vllm_greedy_ids(tiny_llm, tiny_target, flight_rows):
     rows = fresh(flight_rows[:2] + flight_rows[3:5])  # chat and tool-calling prompts
-    stage = TransformersGenerator(str(tiny_target), "deepseek", GREEDY, ENGINE, "hf")
+    stage = TransformersGenerator(str(tiny_target), "deepseek", GREEDY, HF)
     out = stage(rows_to_table(rows)).to_pylist()
     assert [(r["output_ids"], r["finish_reason"]) for r in out] == direct(tiny_llm, rows, GREEDY)
     for r in out:
@@ -117,13 +121,13 @@ def test_transformers_greedy_ids_equal_vllm_greedy_ids(tiny_llm, tiny_target, fl
 
 def test_transformers_seeds_and_context_limit(tiny_target, flight_rows):
     rows = fresh(flight_rows[:2])
-    stage = TransformersGenerator(str(tiny_target), "deepseek", SAMPLED, ENGINE, "hf")
+    stage = TransformersGenerator(str(tiny_target), "deepseek", SAMPLED, HF)
     first = stage(rows_to_table(fresh(rows))).to_pylist()
     again = stage(rows_to_table(fresh(rows[::-1]))).to_pylist()[::-1]
     assert [r["output_ids"] for r in first] == [r["output_ids"] for r in again]
     renamed = stage(rows_to_table([dict(fresh(rows)[0], sample_id="chat:0:other")])).to_pylist()
     assert renamed[0]["output_ids"] != first[0]["output_ids"]  # the seed follows the sample id
-    short = TransformersGenerator(str(tiny_target), "deepseek", SAMPLED, {**ENGINE, "max_model_len": 8}, "hf")
+    short = TransformersGenerator(str(tiny_target), "deepseek", SAMPLED, HF.model_copy(update={"max_model_len": 8}))
     out = short(rows_to_table(fresh(rows))).to_pylist()
     assert all(r["status"] == "quarantine" and "does not fit max_model_len 8" in r["reason"] for r in out)
 
@@ -145,8 +149,8 @@ def test_engine_that_fails_to_start_fails_over_its_rows_not_the_run(tmp_path):
     assert {r["source"] for r in rows} == {"hf", "api"}
 
     with pytest.raises(Exception) as raised:  # on_error raise keeps the old contract: the actor dies, Ray decides
-        TransformersGenerator(str(folder), "deepseek", GREEDY, {**ENGINE, "on_error": "raise"}, "hf")
-    stage = TransformersGenerator(str(folder), "deepseek", GREEDY, ENGINE, "hf", router=router)
+        TransformersGenerator(str(folder), "deepseek", GREEDY, HF.model_copy(update={"on_error": "raise"}))
+    stage = TransformersGenerator(str(folder), "deepseek", GREEDY, HF, router=router)
     assert stage.start_error == start_error_text(raised.value) and "no-weights" in stage.start_error
     out = stage(rows_to_table(rows)).to_pylist()
     assert [r["sample_id"] for r in out] == [r["sample_id"] for r in rows]  # nothing dropped
@@ -155,16 +159,16 @@ def test_engine_that_fails_to_start_fails_over_its_rows_not_the_run(tmp_path):
         if before["source"] == "hf":  # handed on, reason naming the start failure
             assert (r["status"], r["stage"], r["source"]) == ("reroute", "generate", "api")
             assert r["reason"] == f"hf: {START_FAILED}: {stage.start_error}"
-            assert start_failure(r) == ("hf", stage.start_error)
+            assert (r["start_error_source"], r["start_error"]) == ("hf", stage.start_error)
         else:  # another source's row passes untouched
             assert (r["status"], r["source"], r["reason"]) == ("ok", "api", "")
-            assert start_failure(r) is None
+            assert r["start_error_source"] is None and r["start_error"] is None
 
-    alone = TransformersGenerator(str(folder), "deepseek", GREEDY, ENGINE, "hf")  # no next source: quarantine
+    alone = TransformersGenerator(str(folder), "deepseek", GREEDY, HF)  # no next source: quarantine
     out = alone(rows_to_table([dict(r, source="hf") for r in rows])).to_pylist()
     assert all((r["status"], r["stage"], r["source"]) == ("quarantine", "generate", "hf") for r in out)
     assert all(r["reason"] == f"{START_FAILED}: {alone.start_error}" for r in out)
-    assert start_failure(out[0]) == ("hf", alone.start_error)
+    assert (out[0]["start_error_source"], out[0]["start_error"]) == ("hf", alone.start_error)
 
 
 def test_start_errors_are_one_capped_line_without_tokens(monkeypatch):
@@ -181,10 +185,11 @@ def test_engine_resources_per_tensor_parallel_layout(ray_session):
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    assert engine_resources({"num_cpus": 1}) == {"num_cpus": 1.0}
-    assert engine_resources({"num_gpus": 1}) == {"num_cpus": 1.0, "num_gpus": 1.0}
-    assert engine_resources({"num_gpus": 1, "tp_size": 8}, ray_tp=False) == {"num_cpus": 1.0, "num_gpus": 8.0}
-    tp4 = engine_resources({"num_gpus": 1, "tensor_parallel_size": 4, "num_cpus": 2})
+    assert engine_resources(VLLMSourceConfig(num_cpus=1)) == {"num_cpus": 1.0}
+    assert engine_resources(VLLMSourceConfig(num_gpus=1)) == {"num_cpus": 1.0, "num_gpus": 1.0}
+    sglang = SGLangSourceConfig(num_gpus=8, tensor_parallel_size=8)
+    assert engine_resources(sglang, ray_tp=False) == {"num_cpus": 1.0, "num_gpus": 8.0}
+    tp4 = engine_resources(VLLMSourceConfig(num_gpus=1, tensor_parallel_size=4, num_cpus=2))
     assert tp4["num_cpus"] == 0 and tp4["num_gpus"] == 0  # the bundles, not the actor, hold the devices
     args = tp4["ray_remote_args_fn"]()  # what Ray Data calls for each new actor
     pg = args["scheduling_strategy"].placement_group
@@ -208,8 +213,7 @@ def test_engine_pool_scales_up_to_max_actors_each_starting_once(repo_root, clean
     import ray.data
     from ray.util.state import list_actors
 
-    from pipeline.config import TransformersSourceConfig
-    from pipeline.router import map_routed
+    from pipeline.sources.chain import map_routed
 
     actor_class = "MapWorker(MapBatches(TransformersGenerator))"
 
@@ -227,7 +231,7 @@ def test_engine_pool_scales_up_to_max_actors_each_starting_once(repo_root, clean
     ds = ds.map_batches(RenderPrompts, fn_constructor_args=("deepseek", str(clean_target)), batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
     ds = map_routed(ds, [src], model_dir=str(clean_target), profile="deepseek",
-                    sampling={**GREEDY, "max_tokens": 64}, router=router)
+                    sampling=SamplingConfig(**{**GREEDY, "max_tokens": 64}), router=router)
     rows = ds.take_all()
     assert sorted(r["sample_id"] for r in rows) == sorted(p["sample_id"] for p in prompts)
     assert all(r["status"] == "ok" and r["output_ids"] for r in rows)

@@ -12,9 +12,9 @@ import pytest
 from pipeline.config import DatasetConfig
 from pipeline.datasets import Prompt, RowError, load_dataset, parse_row, sample_id
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "data" / "prompts"
-FIXTURES = Path(__file__).resolve().parent / "data"
+FIXTURES = ROOT / "tests" / "data"
 
 WEATHER_FN = {
     "name": "get_weather",

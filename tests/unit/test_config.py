@@ -12,7 +12,7 @@ import yaml
 from pipeline.config import ConfigError, RunConfig, load_config
 from training.config import DraftTrainConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 BASE = {
     "output_dir": "runs/test",
@@ -234,7 +234,8 @@ def test_top_level_not_a_mapping(workdir, text):
 
 def test_duplicate_dataset_names(workdir):
     msg = _error(workdir, _edit(datasets__1__name="chat"))
-    assert "dataset names must be unique" in msg and "'chat', 'chat'" in msg
+    assert "dataset names must be unique: ['chat'] appear more than once" in msg
+    assert "\n  : " not in msg  # every error line names where it is
 
 
 def test_duplicate_source_names(workdir):
@@ -254,3 +255,51 @@ def test_default_source_names_count_as_known(workdir):
 
 def test_build_tiny_needs_a_path(workdir):
     assert "model.build_tiny needs model.path" in _error(workdir, _edit(model={"build_tiny": True}))
+
+
+# -- settings that would spend money wrongly are refused at load time ------------
+
+
+def _with_api(**api) -> dict:
+    cfg = copy.deepcopy(BASE)
+    cfg["sources"].append({"kind": "openrouter", "name": "api", "model": "m", **api})
+    return cfg
+
+
+def test_budget_keys_must_name_datasets(workdir):
+    msg = _error(workdir, _with_api(budgets={"chat": 100, "mtah": 50}))
+    assert "budgets name unknown datasets ['mtah']" in msg and "without a cap" in msg
+    assert load_config(_write(workdir, _with_api(budgets={"chat": 100, "math": 0})), base_dir=workdir)
+
+
+@pytest.mark.parametrize("field,value", [("budgets", {"chat": -1}), ("default_budget", -5)])
+def test_negative_budgets_are_refused(workdir, field, value):
+    msg = _error(workdir, _with_api(**{field: value}))
+    assert "greater than or equal to 0" in msg and field in msg
+
+
+@pytest.mark.parametrize("key,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0),
+                                       ("seed", -1)])
+def test_sampling_ranges(workdir, key, value):
+    msg = _error(workdir, _edit(**{f"sampling__{key}": value}))
+    assert f"sampling.{key}" in msg
+    api = _with_api(sampling={key: value})
+    assert f"sources.2.openrouter.sampling.{key}" in _error(workdir, api)
+
+
+def test_unknown_profile_lists_the_registry(workdir):
+    msg = _error(workdir, _edit(model__profile="llama"))
+    assert "unknown model profile 'llama'" in msg and "kimi-k2.5" in msg
+
+
+def test_the_source_union_is_the_registry():
+    from typing import get_args
+
+    from pipeline.config import SourceConfig
+    from pipeline.sources.registry import SOURCES
+
+    union = get_args(get_args(SourceConfig)[0])
+    assert set(union) == {k.config for k in SOURCES.values()}
+    for name, kind in SOURCES.items():
+        assert kind.config.model_fields["kind"].default == name
+        assert callable(kind.actor_class())  # the import path resolves

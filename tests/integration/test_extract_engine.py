@@ -12,7 +12,7 @@ import torch
 from pipeline.extract import capture_groups, extract_rows, load_target
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_argmax_of_captured_final_states_reproduces_vllm_greedy_output(tiny_llm, tiny_target):

@@ -9,7 +9,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_validate import CFG, WEATHER, P, _noncanonical, api_sample, engine_sample, good_ids
 
 from pipeline.audit import (
     AuditAccumulator,
@@ -26,6 +25,7 @@ from pipeline.audit_html import histogram_bins, render_html
 from pipeline.config import ChecksConfig
 from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, quarantine_row
 from pipeline.validate import validate_sample
+from tests.unit.test_validate import CFG, WEATHER, P, _noncanonical, api_sample, engine_sample, good_ids
 
 LONG = " ".join(f"step {i} of the plan" for i in range(60))
 

@@ -12,9 +12,9 @@ import os
 
 import pytest
 
+from tests.helpers.training import easy_run
 from training.export import export_draft
 from training.target import load_target_parts
-from training.testing import easy_run
 
 pytestmark = pytest.mark.slow
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from training.evaluate import random_prompts  # noqa: F401  (re-exported: the CLI's own prompts)
+
 if TYPE_CHECKING:
     from training.config import DraftTrainConfig
     from training.model import Eagle3Drafter
@@ -117,13 +119,6 @@ def rows_from_target(
     return rows
 
 
-def random_prompts(n: int, vocab_size: int, length: int | tuple[int, int], seed: int) -> list[list[int]]:
-    """Seeded random token-id prompts (fixed or uniformly drawn length)."""
-    rng = np.random.default_rng(seed)
-    lo, hi = (length, length) if isinstance(length, int) else length
-    return [rng.integers(3, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
-
-
 def generated_rows(
     model_dir: str | Path,
     prompts: Sequence[Sequence[int]],
@@ -179,3 +174,50 @@ def easy_run(steps: int = 60, k: int = 3) -> EasyRun:
         drafter, metrics = train_loop(cfg, target, root / "run", lambda epoch: train_rows, vocab)
         trained = simulate_acceptance(drafter, held, parts.lm_head, k=k)
     return EasyRun(target, train_rows, held, cfg, drafter, untrained, trained, metrics)
+
+
+# ----------------------------------------------------------------------------- killing a Ray Train worker
+
+
+def kill_worker_at(step: int, out_dir: str | Path, checkpoint_every: int):
+    """An `after_step` hook for `train_drafter` that kills every worker once, at `step`.
+
+    Returned as a `functools.partial` of a module-level function, so it pickles to the Ray Train
+    workers. Each rank leaves a marker under `out_dir` before it exits, so the restarted (or rerun)
+    worker trains through `step` instead of dying again."""
+    return functools.partial(_kill_at, step, str(Path(out_dir).resolve()), checkpoint_every)
+
+
+def _kill_at(kill_step: int, out_dir: str, checkpoint_every: int, step: int) -> None:
+    import os
+
+    import ray.train
+
+    from training.train import RUN_NAME
+
+    if step != kill_step:
+        return
+    marker = Path(out_dir) / f".killed_at_step_{kill_step}_rank{ray.train.get_context().get_world_rank()}"
+    if marker.exists():
+        return
+    # The controller registers reported checkpoints when it polls the workers (every ~2 s), so wait
+    # for the last one to be committed: otherwise the restart could legitimately begin from an
+    # earlier checkpoint.
+    last = step - step % checkpoint_every
+    if last:  # every rank: one exiting early would restart the group before the commit
+        _wait_for_committed(Path(out_dir) / "ray" / RUN_NAME, f"step_{last:07d}")
+    marker.touch()
+    os._exit(1)
+
+
+def _wait_for_committed(run_dir: Path, checkpoint_name: str, timeout_s: float = 120.0) -> None:
+    """Block until Ray Train's checkpoint-manager snapshot lists `checkpoint_name`."""
+    import time
+
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if snapshot.exists() and checkpoint_name in snapshot.read_text():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{checkpoint_name} was not committed in {snapshot}")

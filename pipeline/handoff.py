@@ -1,0 +1,165 @@
+"""From written samples to a trained drafter: hidden-state extraction handed to the Ray Train loop.
+
+Two ways to hand the states over, one flow:
+
+- ``stream`` (default): the extraction actors' Ray Dataset *is* the training
+  input; nothing is written. Held-out evaluation re-runs a small extraction.
+- ``shards``: extraction writes Arrow shards to ``hidden/`` first (resumable);
+  training and held-out evaluation read them back.
+
+Either way a hash-chosen held-out slice of the samples (``heldout_fraction``)
+never reaches training or the draft vocabulary, and the exported drafter's
+acceptance on it ends the phase.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow.parquet as pq
+
+from pipeline.config import RunConfig
+from pipeline.layout import RunLayout
+from pipeline.report import Timings
+
+if TYPE_CHECKING:
+    from training.vocab import VocabMapping
+
+SAMPLE_INPUT_COLUMNS = ["sample_id", "dataset", "row_index", "source", "prompt_ids", "prompt_assistant_mask",
+                        "output_ids"]
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What every step of the phase needs: the config, the folder, the layers to capture."""
+
+    cfg: RunConfig
+    layout: RunLayout
+    aux_layer_ids: list[int]
+    heldout: float  # fraction of samples held out of training
+
+    def extractor_kwargs(self) -> dict[str, Any]:
+        ex = self.cfg.extraction
+        return {"backend": ex.backend, "dtype": ex.dtype, "device_map": ex.device_map, "vllm_options": ex.vllm,
+                "stats_dir": str(self.layout.extract_stats)}
+
+    def split(self, rows: Any, keep_heldout: bool) -> Any:
+        """Only the held-out rows (at most ``heldout_max_samples``, for evaluation), or all the others."""
+        from training.heldout import select_heldout
+
+        if not self.heldout:
+            return rows
+        split = rows.map_batches(select_heldout, fn_kwargs={"fraction": self.heldout, "keep": keep_heldout},
+                                 batch_format="pyarrow", num_cpus=0)
+        return split.limit(self.cfg.training.heldout_max_samples) if keep_heldout else split
+
+    def hidden_rows(self, keep_heldout: bool) -> Any:
+        """Extracted rows (hidden states + loss mask) as a Ray Dataset: the training rows or the held-out ones."""
+        import ray.data
+
+        ex = self.cfg.extraction
+        if ex.mode == "shards":
+            from pipeline.hidden_shards import hidden_shards_dataset
+
+            return self.split(hidden_shards_dataset(self.layout.hidden), keep_heldout)
+        from pipeline.extract import HiddenStateExtractor
+
+        samples = ray.data.read_parquet(str(self.layout.samples), columns=SAMPLE_INPUT_COLUMNS)
+        return self.split(samples, keep_heldout).map_batches(
+            HiddenStateExtractor,
+            fn_constructor_args=(self.cfg.model.path, self.aux_layer_ids, ex.max_len, ex.too_long, ex.batch_tokens,
+                                 str(self.layout.quarantine)),
+            fn_constructor_kwargs=self.extractor_kwargs() | {"out_dtype": ex.shard_dtype},
+            batch_format="pyarrow", batch_size=ex.rows_per_call,
+            compute=ray.data.ActorPoolStrategy(size=ex.num_actors), num_cpus=ex.num_cpus, num_gpus=ex.num_gpus,
+        )
+
+    def write_shards(self) -> None:
+        """Mode ``shards``: extract every passed sample (held-out ones too) into ``hidden/``; resumable."""
+        from pipeline.hidden_shards import extract_to_shards
+
+        ex, lay = self.cfg.extraction, self.layout
+        extract_to_shards(lay.samples, lay.hidden, model_dir=self.cfg.model.path, aux_layer_ids=self.aux_layer_ids,
+                          max_len=ex.max_len, too_long=ex.too_long, batch_tokens=ex.batch_tokens,
+                          quarantine_dir=lay.quarantine, samples_per_shard=ex.samples_per_shard,
+                          rows_per_call=ex.rows_per_call, dtype=ex.shard_dtype, num_actors=ex.num_actors,
+                          num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=self.extractor_kwargs())
+
+
+def skip_reason(cfg: RunConfig, layout: RunLayout) -> str | None:
+    if not any(layout.samples.glob("*.parquet")):
+        return "no passed samples to train on"
+    if cfg.training is None and cfg.extraction.mode == "stream":
+        return "training is off and extraction streams into training: nothing to extract"
+    return None
+
+
+def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings) -> dict[str, Any]:
+    """Extract hidden states, train the drafter on them, export it, and measure it on held-out samples."""
+    from transformers import AutoConfig
+
+    from pipeline.extract import bytes_per_token, read_extract_stats
+    from training.config import DraftTrainConfig, resolve_aux_layer_ids
+
+    if reason := skip_reason(cfg, layout):
+        return {"skipped": reason}
+    tcfg, ex = cfg.training, cfg.extraction
+    target_cfg = AutoConfig.from_pretrained(cfg.model.path)
+    aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg.num_hidden_layers)
+    h = Handoff(cfg, layout, aux_ids, tcfg.heldout_fraction if tcfg is not None else 0.0)
+    result: dict[str, Any] = {"aux_layer_ids": aux_ids, "extraction_mode": ex.mode,
+                              "bytes_per_token": bytes_per_token(target_cfg.hidden_size, len(aux_ids))}
+    if ex.mode == "shards":
+        t0 = time.perf_counter()
+        h.write_shards()
+        timings.add("extract", t0)
+    rows = h.hidden_rows(keep_heldout=False)
+    t0 = time.perf_counter()
+    if tcfg is None:
+        result["extracted"] = rows.count()
+        timings.add("read_shards", t0)
+    else:
+        from training.heldout import heldout_acceptance
+        from training.train import train_drafter
+
+        # counted from the samples, not the stream: counting the stream would run the extraction once more
+        vocab = draft_vocab_from_samples(layout, target_cfg.vocab_size, tcfg.draft_vocab_size, ex.max_len,
+                                         ex.too_long, h.heldout) if ex.mode == "stream" else None
+        res = train_drafter(rows, tcfg.model_copy(update={"aux_layer_ids": aux_ids}), cfg.model.path,
+                            layout.drafter, vocab=vocab)
+        timings.add("extract+train" if ex.mode == "stream" else "train", t0)
+        result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
+                      metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
+        if h.heldout:
+            t0 = time.perf_counter()
+            # stream mode: a second, small extraction pass (one more engine start-up); shards: a re-read
+            held = h.hidden_rows(keep_heldout=True).take_all()
+            result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held, tcfg.eval_k)
+            timings.add("heldout_eval", t0)
+    result["extraction"] = read_extract_stats(layout.extract_stats) if layout.extract_stats.exists() else {}
+    return result
+
+
+def draft_vocab_from_samples(layout: RunLayout, vocab_size: int, draft_vocab_size: int, max_len: int,
+                             too_long: str, heldout_fraction: float = 0.0) -> VocabMapping:
+    """The draft vocabulary over the loss-masked tokens the extraction stage will emit for the training
+    samples (held-out samples excluded)."""
+    from pipeline.extract import prepare_sample
+    from training.heldout import is_held_out
+    from training.vocab import build_vocab_mapping
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for f in sorted(layout.samples.glob("*.parquet")):
+            table = pq.read_table(f, columns=["sample_id", "prompt_ids", "prompt_assistant_mask", "output_ids"])
+            for r in table.to_pylist():
+                if is_held_out(r["sample_id"], heldout_fraction):
+                    continue
+                prepared = prepare_sample(r["prompt_ids"], r["prompt_assistant_mask"], r["output_ids"], max_len,
+                                          too_long)
+                if not isinstance(prepared, str):  # a reason: the extraction stage quarantines it
+                    yield {"input_ids": prepared[0], "loss_mask": prepared[1]}
+
+    return build_vocab_mapping(rows(), vocab_size, draft_vocab_size)

@@ -1,0 +1,226 @@
+"""The run report: figures folded from the rows as they stream out, then summed over the folder.
+
+``Tally`` counts this attempt's rows as they leave the chain (and prints a status
+line now and then); ``summarize`` adds what the output folder holds over every
+attempt; ``format_report`` is what the console shows at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipeline.audit import AuditAccumulator, summary_lines
+from pipeline.config import ChecksConfig, DatasetConfig
+from pipeline.layout import RunLayout
+from pipeline.records import read_rows
+from pipeline.validate import Verdict
+
+
+class Timings:
+    """Seconds per phase, in the order they ran."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, t0: float) -> None:
+        self.seconds[name] = round(time.perf_counter() - t0, 2)
+
+
+def audit_for(datasets: list[DatasetConfig]) -> AuditAccumulator:
+    """An audit that judges each dataset's samples by that dataset's own checks."""
+    first = datasets[0].checks
+    same = all(d.checks == first for d in datasets)
+    return AuditAccumulator(first if same else ChecksConfig(), dataset_checks={d.name: d.checks for d in datasets})
+
+
+class Tally:
+    """Folds per-sample summaries as they stream out of the pipeline: counts, audit figures, spend.
+
+    Prints a one-line status every few seconds that stays readable in `ray job logs`.
+    """
+
+    def __init__(self, total: int, audit: AuditAccumulator, every_s: float = 10.0) -> None:
+        self.total, self.every_s = total, every_s
+        self.status: Counter = Counter()
+        self.audit = audit
+        self.tokens = 0
+        self.cost = 0.0
+        self.t0 = self.last = time.perf_counter()
+        self.printed = -1
+        self.start_errors: dict[str, str] = {}  # source -> why its engine did not start
+        self.served: Counter = Counter()  # source -> samples it generated (this attempt)
+        self.spilled: Counter = Counter()  # local source -> its prompts an overflow source took past the deadline
+        self.left: Counter = Counter()  # (source, why) -> prompts left not generated (a re-run does them)
+
+    @property
+    def done(self) -> int:
+        return sum(self.status.values())
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.status[row["status"]] += 1
+        if row.get("output_ids") is not None:
+            self.served[row.get("source") or ""] += 1
+        if row.get("spilled_from"):
+            self.spilled[row["spilled_from"]] += 1
+        if row["status"] == "not_generated":
+            self.left[(row.get("source") or "", _left_why(row.get("reason") or ""))] += 1
+        self.tokens += len(row["output_ids"] or [])
+        self.cost += row.get("cost") or 0.0
+        if row.get("checks_ran"):
+            details = json.loads(row["check_details"] or "{}")
+            verdict = Verdict(failed={k: details.get(k, "") for k in row["checks_failed"]},
+                              flagged={k: details.get(k, "") for k in row["checks_flagged"]},
+                              ran=list(row["checks_ran"]))
+            self.audit.add(row, verdict)
+
+    def note_start_error(self, row: dict[str, Any]) -> None:
+        """Remember a source whose engine failed to start, from any row it handed on or quarantined."""
+        if row.get("start_error_source"):
+            self.start_errors.setdefault(row["start_error_source"], row.get("start_error") or "")
+
+    def progress(self, final: bool = False) -> None:
+        now = time.perf_counter()
+        if (not final and now - self.last < self.every_s) or self.done == self.printed:
+            return
+        self.last, self.printed = now, self.done
+        rate = self.done / max(now - self.t0, 1e-9)
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        print(f"[generate] {self.done}/{self.total} done, {self.status['quarantine']} quarantined, "
+              f"{self.status['not_generated']} not generated, {self.tokens} tokens, ${self.cost:.4f}, "
+              f"{rate:.2f} samples/s, ETA {eta:.0f}s", flush=True)
+
+
+def summarize(tally: Tally, counts: Counter, layout: RunLayout) -> dict[str, Any]:
+    """Figures over everything written for this run (including earlier, resumed attempts)."""
+    samples = read_rows(layout.samples, ["sample_id", "dataset", "output_ids", "checks_flagged"])
+    quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage", "reason"])
+    passed_ids = {r["sample_id"] for r in samples}
+    q_ids = {r["sample_id"] for r in quarantine if r["sample_id"] not in passed_ids}
+    rows_in = sum(v for k, v in counts.items() if k.endswith(".rows"))
+    datasets = sorted(k.rsplit(".", 1)[0] for k in counts if k.endswith(".rows"))
+    # Extraction may quarantine a sample already written as passed: it stays counted as passed
+    # generation and shows up under quarantine_by_stage.extract.
+    return {
+        "rows_in": rows_in,
+        "passed": len(passed_ids),
+        "quarantined": len(q_ids),
+        "not_generated": tally.status["not_generated"],
+        "quarantine_by_stage": dict(Counter(r["stage"] for r in quarantine)),
+        "quarantine_reasons": dict(Counter(_reason_key(r["reason"]) for r in quarantine).most_common(10)),
+        "flagged": dict(Counter(c for r in samples for c in r["checks_flagged"])),
+        "tokens_generated": sum(len(r["output_ids"]) for r in samples),
+        "duplicates_in_shards": len(samples) - len(passed_ids),
+        "this_attempt": {"samples": tally.done, "resumed_done": counts["resumed_done"],
+                         "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6)},
+        "audit": tally.audit.report(),
+        "by_dataset": {
+            d: {"rows": counts[f"{d}.rows"], "passed": sum(r["dataset"] == d for r in samples),
+                "quarantined": sum(r["dataset"] == d and r["sample_id"] in q_ids for r in quarantine)}
+            for d in datasets
+        },
+    }
+
+
+def _left_why(reason: str) -> str:
+    """Why a prompt was left to do, in a word: budget, halted (account failure), or transient (outage)."""
+    if "budget" in reason and "is spent" in reason:
+        return "budget"
+    if " halted: " in reason:
+        return "halted"
+    return "transient"
+
+
+def source_report(sources: list[Any], tally: Tally) -> dict[str, dict[str, Any]]:
+    """Per configured source, this attempt: samples it generated, prompts it spilled past the overflow
+    deadline, prompts it left to do (by why), and, when its engine failed to start, why."""
+    return {s.name: {"kind": s.kind, "served": tally.served[s.name], "spilled": tally.spilled[s.name],
+                     "left_to_do": {why: n for (name, why), n in sorted(tally.left.items()) if name == s.name},
+                     "start_error": tally.start_errors.get(s.name)} for s in sources}
+
+
+def ledger_report(ledger: Any) -> dict[str, Any]:
+    import ray
+
+    rep = ledger.report.remote() if hasattr(ledger.report, "remote") else ledger.report()
+    return ray.get(rep) if isinstance(rep, ray.ObjectRef) else rep
+
+
+def _reason_key(reason: str) -> str:
+    """The reason's leading words (check name or error kind), for grouping."""
+    return reason.split(":", 1)[0][:80]
+
+
+def format_report(r: dict[str, Any], out: Path) -> str:
+    lines = [
+        "",
+        "=" * 64,
+        f"Run report ({out})",
+        f"  rows in      {r['rows_in']}",
+        f"  passed       {r['passed']}",
+        f"  quarantined  {r['quarantined']}  by stage {r['quarantine_by_stage']}",
+        f"  not generated {r['not_generated']} (left to do: budget spent, source halted or API down; "
+        "a re-run does them)",
+        f"  flagged      {r['flagged']}",
+        f"  tokens generated {r['tokens_generated']}, spend ${r['this_attempt']['cost_usd']:.4f}",
+        f"  throughput   {r['throughput']}",
+        f"  seconds      {r['seconds']}",
+    ]
+    if r["audit"]["samples"]:
+        lines.append("  audit (this attempt):")
+        lines += [f"    {line}" for line in summary_lines(r["audit"])]
+    for name, src in (r.get("sources") or {}).items():
+        spilled = f", {src['spilled']} spilled past the overflow deadline" if src.get("spilled") else ""
+        lines.append(f"  source {name} ({src['kind']}) generated {src.get('served', 0)}{spilled}")
+        if src.get("start_error"):
+            lines.append(f"  source {name} failed to start (its prompts re-routed or quarantined): "
+                         f"{src['start_error'][:200]}")
+    for name, spend in (r.get("spend") or {}).items():
+        lines.append(f"  spend {name}: {json.dumps(spend.get('datasets', spend), default=str)[:300]}")
+        held = spend.get("held_by_killed_requests") or {}
+        if held:
+            lines.append(f"  spend {name}: {sum(held.values())} tokens of budget held by requests in flight when an "
+                         f"earlier attempt was killed (they may have been billed) {held}")
+    t = r.get("training") or {}
+    x = t.get("extraction") or {}
+    if x:
+        lines.append(f"  extraction   {x['samples']} samples, {x['tokens']} tokens, {x['tokens_per_s_per_actor']} "
+                     f"tok/s/actor, {x['bytes_per_token']} bytes/token, peak RSS {x['peak_rss_mb']:.0f} MB")
+    m = t.get("metrics") or {}
+    if m:
+        accs = " ".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("acc_"))
+        lines.append(f"  training     step {m.get('step')} loss {m.get('loss', float('nan')):.3f} "
+                     f"acc/position [{accs}] {m.get('tokens_per_s', 0):.0f} tok/s")
+    if t.get("export_dir"):
+        lines.append(f"  drafter      {t['export_dir']}")
+    h = t.get("heldout") or {}
+    if h.get("acceptance_length") is not None:
+        per = " ".join(f"{p:.2f}" for p in h["per_position"])
+        lines.append(f"  held-out     acceptance length {h['acceptance_length']:.3f} at k={h['k']} (per position "
+                     f"[{per}]) on {h['samples']} samples never trained on (simulated greedy verification)")
+    elif h:
+        lines.append(f"  held-out     {h.get('skipped')}")
+    lines += attention_lines(r)
+    lines.append("=" * 64)
+    return "\n".join(lines)
+
+
+def attention_lines(r: dict[str, Any]) -> list[str]:
+    """What needs the user's action, one line each: a halted source, an API that was down, a spent budget."""
+    out = []
+    for name, src in (r.get("sources") or {}).items():
+        left = src.get("left_to_do") or {}
+        halted = ((r.get("spend") or {}).get(name) or {}).get("halted")
+        if halted:
+            out.append(f"  ! source {name}: stopped: {halted} — {sum(left.values())} prompts left to do; "
+                       "fix the account and re-run to resume")
+        elif left.get("transient"):
+            out.append(f"  ! source {name}: API failing (network, timeouts or 5xx) — {left['transient']} prompts "
+                       "left to do; re-run to resume")
+        if left.get("budget"):
+            out.append(f"  ! source {name}: budget spent — {left['budget']} prompts not generated; raise the "
+                       "budget and re-run to do them")
+    return out

@@ -1,0 +1,125 @@
+"""The layering holds: no import cycle among the project's modules, no branching on a source's kind
+outside the registry, and every module imports cold."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("pipeline", "training")
+
+
+def project_modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            mods[name] = path
+    return mods
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """Project modules a file imports anywhere (function-level too; ``if TYPE_CHECKING`` blocks excepted)."""
+    found: set[str] = set()
+    stack: list[ast.AST] = [ast.parse(path.read_text())]
+    while stack:
+        node = stack.pop()
+        if _type_checking_only(node):
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in modules)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_among_project_modules():
+    mods = project_modules()
+    graph = {m: imports_of(p, set(mods)) - {m} for m, p in mods.items()}
+    assert cycles(graph) == []
+    # the schema layer imports nothing of the runtime
+    runtime = {m for m in mods if m.startswith(("pipeline.sources", "pipeline.run", "pipeline.stages",
+                                                "pipeline.router", "pipeline.ledger", "pipeline.extract"))}
+    assert not (graph["pipeline.config"] & runtime)
+    assert graph["pipeline.router"] <= {"pipeline.config", "pipeline.sources.registry"}
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_branching_on_source_kind_outside_the_registry():
+    """No comparison of anything with a source kind's name ("vllm", "openrouter", ...) outside the registry."""
+    from pipeline.sources.registry import SOURCES
+
+    def names_a_kind(node: ast.AST) -> bool:
+        return any(isinstance(c, ast.Constant) and c.value in SOURCES for c in ast.walk(node))
+
+    def is_kind(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "kind") or (isinstance(node, ast.Name)
+                                                                             and node.id == "kind")
+
+    offenders = []
+    for name, path in project_modules().items():
+        if name == "pipeline.sources.registry":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+            if any(map(is_kind, operands)) and any(map(names_a_kind, operands)):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert offenders == []
+
+
+def test_every_module_imports_cold():
+    """Each module in a fresh interpreter of its own would be slow; one interpreter importing them in
+    sorted order catches import-time errors, and the acyclic graph above makes the order irrelevant."""
+    names = sorted(project_modules())
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
+    res = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]

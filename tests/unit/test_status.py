@@ -1,0 +1,83 @@
+"""`pipeline status` on a folder written by hand: damaged files are reported, never raised."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.layout import RunLayout
+from pipeline.status import collect_status, format_status
+
+
+@pytest.fixture
+def cfg(repo_root: Path, tmp_path: Path):
+    cfg = load_config(repo_root / "configs" / "tiny.yaml", base_dir=repo_root, check_paths=False)
+    cfg.output_dir = str(tmp_path / "out")
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg.model.path = str(model)
+    return cfg
+
+
+def _metrics(layout: RunLayout, torn: bool) -> None:
+    layout.drafter.mkdir(parents=True)
+    lines = [json.dumps({"step": s, "epoch": 0, "loss": 2.0 / s, "acc_0": 0.1 * s, "tokens_per_s": 100.0})
+             for s in (1, 2)]
+    layout.metrics.write_text("\n".join(lines) + "\n" + ('{"step": 3, "lo' if torn else ""))
+
+
+def test_a_truncated_report_is_shown_as_unreadable(cfg):
+    layout = RunLayout(cfg.output_dir)
+    _metrics(layout, torn=True)  # the job died mid-line: the last whole line counts
+    layout.report.write_text('{"training": {"heldout": {"acceptance_length": 1.')  # cut short
+    s = collect_status(cfg)
+    tr = s["training"]
+    assert tr["step"] == 2 and tr["last"]["loss"] == pytest.approx(1.0)
+    assert tr["heldout"] is None and "report.json is unreadable" in tr["report_error"]
+    text = format_status(s)
+    assert "step 2 of 40" in text and "last report: report.json is unreadable" in text
+    assert text.endswith("not finished: re-run the same config to continue")
+
+
+@pytest.mark.parametrize("content", ["[1, 2, 3]", "\x00\xff garbage", ""])
+def test_a_report_that_is_not_an_object_is_unreadable_too(cfg, content):
+    layout = RunLayout(cfg.output_dir)
+    layout.root.mkdir(parents=True)
+    layout.report.write_bytes(content.encode("latin-1"))
+    s = collect_status(cfg)
+    assert "report.json is unreadable" in s["training"]["report_error"]
+    assert "last report: report.json is unreadable" in format_status(s)
+
+
+def test_a_missing_report_is_no_error(cfg):
+    layout = RunLayout(cfg.output_dir)
+    _metrics(layout, torn=False)
+    s = collect_status(cfg)
+    assert "report_error" not in s["training"] and s["training"]["heldout"] is None
+    assert s["training"]["step"] == 2 and "unreadable" not in format_status(s)
+
+
+def test_a_whole_report_gives_the_heldout_acceptance(cfg):
+    layout = RunLayout(cfg.output_dir)
+    _metrics(layout, torn=False)
+    held = {"samples": 6, "k": 3, "acceptance_length": 1.75}
+    layout.report.write_text(json.dumps({"training": {"heldout": held}}))
+    s = collect_status(cfg)
+    assert s["training"]["heldout"] == held and "report_error" not in s["training"]
+    assert "held-out acceptance length 1.750 at k=3 on 6 samples" in format_status(s)
+
+
+def test_a_damaged_manifest_and_shard_index_are_reported(cfg):
+    layout = RunLayout(cfg.output_dir)
+    layout.hidden.mkdir(parents=True)
+    layout.hidden_index.write_text('{"shards": [{"file": "shard-a.arrow", "sam')
+    layout.manifest.write_text('{"profile": "deeps')
+    s = collect_status(cfg)
+    assert "manifest.json is unreadable" in s["manifest"]["skipped"] and not s["manifest"]["differences"]
+    assert "index.json is unreadable" in s["training"]["hidden_shards"]["error"]
+    text = format_status(s)
+    assert "manifest not checked: manifest.json is unreadable" in text
+    assert "hidden shards: index.json is unreadable" in text
