@@ -89,7 +89,10 @@ async def _openai_sdk(url: str, n: int, conc: int, max_tokens: int, key: str) ->
 
 
 async def _ours(url: str, n: int, conc: int, max_tokens: int, key: str) -> int:
-    """The Ray Data callable itself, in process: retries, ledger, id rebuild, checks, Arrow output batch."""
+    """The Ray Data callable itself, in process: retries, ledger, id rebuild, checks, Arrow output batch, and the
+    response journal (every paid answer appended to a run folder's ``responses/``, as in a run)."""
+    import tempfile
+
     from pipeline.config import OpenRouterSourceConfig
     from pipeline.sources.openrouter import OpenRouterGenerator
     from tests.helpers.http import local_ledger
@@ -97,7 +100,8 @@ async def _ours(url: str, n: int, conc: int, max_tokens: int, key: str) -> int:
     cfg = OpenRouterSourceConfig(model=MODEL, base_url=url, api_key_env=KEY_ENV, max_in_flight=conc,
                                  request_timeout_s=600, sampling={"max_tokens": max_tokens},
                                  budgets={"bench": 10**12})
-    gen = OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg, strict=True))
+    out_dir = tempfile.mkdtemp(prefix="bench-openrouter-")
+    gen = OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg, strict=True), output_dir=out_dir)
     rows = [{"sample_id": f"bench:{i}", "dataset": "bench", "row_index": i, "messages": json.dumps(_messages(i)),
              "tools": "", "thinking": True, "prompt_ids": [0, 1, 2], "prompt_assistant_mask": [0, 0, 0]}
             for i in range(n)]

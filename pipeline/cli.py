@@ -32,6 +32,8 @@ EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_LEFT_TO_DO = 0, 1, 2, 3
 
 
 def _run(args: argparse.Namespace) -> int:
+    from pipeline.config import ConfigError
+    from pipeline.datasets import DatasetError
     from pipeline.manifest import ManifestMismatch
     from pipeline.run import run
     from pipeline.run_lock import LockHeld
@@ -46,6 +48,12 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     except LockHeld as e:
         print(f"refusing to start: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except DatasetError as e:
+        print(f"input error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     left = report["not_generated"]
     if left:
@@ -73,9 +81,11 @@ def _status(args: argparse.Namespace) -> int:
     cfg = _load(args, check_paths=False)  # the model may live elsewhere: the folder is what is read
     if cfg is None:
         return 2
+    from pipeline.datasets import DatasetError
+
     try:
         status = collect_status(cfg)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, DatasetError) as e:
         print(f"status: {e}", file=sys.stderr)
         return 2
     print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))

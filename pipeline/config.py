@@ -395,8 +395,11 @@ def load_config(path: str | Path, *, base_dir: str | Path | None = None, check_p
             raise ConfigError(f"{path}: model.path does not exist: {cfg.model.path}")
     for d in cfg.datasets:
         d.path = _resolve(d.path, base)
+        if check_paths and Path(d.path).is_dir():
+            raise ConfigError(f"{path}: dataset {d.name!r}: is a folder, expected a .jsonl, .json or .parquet file: "
+                              f"{d.path}")
         if check_paths and not Path(d.path).is_file():
             raise ConfigError(f"{path}: dataset {d.name!r}: file not found: {d.path}")
         if not d.path.endswith((".jsonl", ".json", ".parquet")):
-            raise ConfigError(f"{path}: dataset {d.name!r}: expected a .jsonl or .parquet file: {d.path}")
+            raise ConfigError(f"{path}: dataset {d.name!r}: expected a .jsonl, .json or .parquet file: {d.path}")
     return cfg

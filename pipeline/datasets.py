@@ -7,8 +7,10 @@ quarantine row with the reason. Parsing is pure; reading is thin.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import DatasetConfig
+
+log = logging.getLogger(__name__)
 
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {
@@ -42,6 +46,10 @@ class RowError(ValueError):
     """A malformed input row; the message is the quarantine reason."""
 
     raw: Any = None  # the unparsed text, for a line that is not JSON
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be read at all (one bad row is a RowError instead); names the file."""
 
 
 @dataclass
@@ -265,33 +273,99 @@ def sample_id(dataset: str, row_index: int, prompt: Prompt) -> str:
     return f"{dataset}:{row_index}:{hashlib.sha256(canon.encode()).hexdigest()[:12]}"
 
 
+_JSON_TYPES = {dict: "an object", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def _check_file(path: Path) -> None:
+    """A folder or a missing path is a DatasetError (pyarrow would read a folder as a partitioned dataset)."""
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a folder, expected a .jsonl, .json or .parquet file")
+    if not path.exists():
+        raise DatasetError(f"{path}: file not found")
+
+
+def _read_bytes(path: Path) -> bytes:
+    _check_file(path)
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot be read: {e.strerror or e}") from None
+
+
+def _parquet_rows(path: Path) -> list[Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _check_file(path)
+    try:
+        return pq.read_table(path).to_pylist()
+    except PermissionError as e:
+        raise DatasetError(f"{path}: cannot be read: {e.strerror or e}") from None
+    except (pa.ArrowException, OSError) as e:  # a corrupt footer is ArrowInvalid, corrupt metadata an OSError
+        why = re.sub(r"^Could not open Parquet input source '[^']*': ", "", str(e)).strip()
+        raise DatasetError(f"{path}: not a valid Parquet file: {why}") from None
+
+
+def _json_rows(path: Path, data: bytes) -> list[Any]:
+    """The rows of a .json file, which holds one list; a whitespace-only file is empty, not broken."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DatasetError(f"{path}: not valid UTF-8 at line {line}: {e.reason}") from None
+    if not text.strip():
+        return []
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        hint = "; one JSON value per line? name the file .jsonl" if e.msg == "Extra data" else ""
+        raise DatasetError(f"{path}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno}{hint})") from None
+    if not isinstance(rows, list):
+        found = _JSON_TYPES.get(type(rows), "null")
+        raise DatasetError(f"{path}: a .json dataset must hold a list of rows, found {found}")
+    return rows
+
+
+def _bad_line(reason: str, line: bytes) -> RowError:
+    err = RowError(reason)
+    err.raw = line.decode("utf-8", "backslashreplace")  # the bad bytes stay visible in quarantine
+    return err
+
+
+def _jsonl_rows(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
+    """Decoded line by line, so one line that is not UTF-8 or not JSON is one quarantined row, not a failed run."""
+    index = 0
+    for lineno, line in enumerate(data.splitlines(), 1):  # \n, \r\n and \r, as text mode splits
+        where = f"{path.name} line {lineno}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield index, _bad_line(f"line is not valid UTF-8 ({where}): {e.reason} at byte {e.start}", line)
+            index += 1
+            continue
+        if not text.strip():
+            continue
+        try:
+            yield index, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield index, _bad_line(f"line is not valid JSON ({where}): {e.msg} (column {e.colno})", line)
+        index += 1
+
+
 def read_raw_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(row index, row) pairs; a line that is not JSON yields a RowError in place of the row."""
+    """(row index, row) pairs; a JSONL line that is not UTF-8 or not JSON yields a RowError in place of the row.
+
+    A file that cannot be read as a whole (a folder, missing, not valid JSON or Parquet) raises DatasetError.
+    """
     path = Path(path)
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        yield from enumerate(table.to_pylist())
+        yield from enumerate(_parquet_rows(path))
         return
-    with path.open(encoding="utf-8") as f:
-        if path.suffix == ".json":
-            data = json.load(f)
-            if not isinstance(data, list):
-                raise ValueError(f"{path}: a .json dataset must hold a list of rows")
-            yield from enumerate(data)
-            return
-        index = 0
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                yield index, json.loads(line)
-            except json.JSONDecodeError as e:
-                err = RowError(f"line is not valid JSON: {e}")
-                err.raw = line.rstrip("\r\n")
-                yield index, err
-            index += 1
+    data = _read_bytes(path).removeprefix(codecs.BOM_UTF8)  # editors on Windows write one; json.loads refuses it
+    if path.suffix == ".json":
+        yield from enumerate(_json_rows(path, data))
+        return
+    yield from _jsonl_rows(path, data)
 
 
 def load_dataset(cfg: DatasetConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -320,4 +394,6 @@ def load_dataset(cfg: DatasetConfig) -> tuple[list[dict[str, Any]], list[dict[st
             "tools": json.dumps(p.tools, ensure_ascii=False) if p.tools else "",
             "thinking": cfg.thinking,
         })
+    if not prompts and not bad:  # max_rows > 0, so only a file without rows gets here: legal, but say so
+        log.warning("dataset %r: %s holds no rows; nothing to generate from it", cfg.name, cfg.path)
     return prompts, bad

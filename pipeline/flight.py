@@ -5,8 +5,10 @@ A row is a sample (``records.SAMPLE_SCHEMA``) plus where it stands: ``status``
 ``reason`` of a row that stopped, and the outcome columns the report needs as
 facts rather than text to parse: ``spilled_from`` (the local source that handed
 the prompt to an overflow source past the deadline), ``start_error_source`` and ``start_error``
-(an engine that failed to start and why, set on the rows it could not serve) and
-``attempts`` (requests an HTTP source made for the row). A row never
+(an engine that failed to start and why, set on the rows it could not serve),
+``attempts`` (requests an HTTP source made for the row) and ``failure_class``
+(why a row is left to do or quarantined: ``transient``, ``sample``, ``account``,
+``budget``). A row never
 disappears: a stage that cannot handle it marks it and passes it on.
 """
 
@@ -31,6 +33,7 @@ FLIGHT_SCHEMA = pa.schema([
     pa.field("start_error_source", pa.string()),
     pa.field("start_error", pa.string()),
     pa.field("attempts", pa.int32()),
+    pa.field("failure_class", pa.string()),  # why a row is not ok: transient | sample | account | budget
 ])
 
 

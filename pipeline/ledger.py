@@ -43,7 +43,7 @@ class Account:
     reserved: int = 0
     cost: float = 0.0
     sent: int = 0  # reservations granted: requests sent (retries included)
-    requests: int = 0  # settled: requests the provider billed (or may have billed)
+    settled: int = 0  # requests the provider billed (or may have billed)
     released: int = 0  # requests that billed nothing (errors the provider does not charge)
     refused: int = 0  # reservations refused because the budget is spent
     overrun: int = 0  # tokens billed beyond their reservation
@@ -93,7 +93,7 @@ class BudgetLedger:
         billed = max(0, int(billed))
         acc.spent += billed
         acc.cost += float(cost or 0.0)
-        acc.requests += 1
+        acc.settled += 1
         if billed > reserved:
             acc.overrun += billed - reserved
         if acc.budget is not None and acc.spent > acc.budget:
@@ -124,7 +124,7 @@ class BudgetLedger:
 
     def report(self) -> dict[str, dict[str, Any]]:
         return {name: {"budget": a.budget, "spent": a.spent, "reserved": a.reserved, "cost": a.cost,
-                       "sent": a.sent, "requests": a.requests, "released": a.released, "refused": a.refused,
+                       "sent": a.sent, "settled": a.settled, "released": a.released, "refused": a.refused,
                        "overrun": a.overrun, "restored": a.restored}
                 for name, a in sorted(self.accounts.items())}
 
@@ -339,4 +339,12 @@ def ledger_for(cfg: Any, *, spent: Mapping[str, int] | None = None, name: str | 
     """The shared ledger actor for a spending source's config (its ``budgets``, ``default_budget`` and ``health``)."""
     return create_ledger(cfg.budgets, name=name, default_budget=cfg.default_budget, health=cfg.health,
                          strict=strict, spent=spent, journal=journal)
+
+
+def halt(ledger: Any, reason: str) -> None:
+    """Halt a source from outside an event loop: an in-process ``Ledger`` or its Ray actor (fire and forget)."""
+    if isinstance(ledger, Ledger):
+        ledger.halt(reason)
+    else:
+        ledger.apply.remote([("halt", reason)])
 

@@ -55,6 +55,8 @@ class Tally:
         self.served: Counter = Counter()  # source -> samples it generated (this attempt)
         self.spilled: Counter = Counter()  # local source -> its prompts an overflow source took past the deadline
         self.left: Counter = Counter()  # (source, why) -> prompts left not generated (a re-run does them)
+        self.requests: Counter = Counter()  # source -> requests sent for the rows (HTTP sources; retries included)
+        self.asked: Counter = Counter()  # source -> rows it sent at least one request for
 
     @property
     def done(self) -> int:
@@ -66,8 +68,11 @@ class Tally:
             self.served[row.get("source") or ""] += 1
         if row.get("spilled_from"):
             self.spilled[row["spilled_from"]] += 1
+        if row.get("attempts"):
+            self.requests[row.get("source") or ""] += row["attempts"]
+            self.asked[row.get("source") or ""] += 1
         if row["status"] == "not_generated":
-            self.left[(row.get("source") or "", _left_why(row.get("reason") or ""))] += 1
+            self.left[(row.get("source") or "", row.get("failure_class") or "transient")] += 1
         self.tokens += len(row["output_ids"] or [])
         self.cost += row.get("cost") or 0.0
         if row.get("checks_ran"):
@@ -125,21 +130,16 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout) -> dict[str, Any
     }
 
 
-def _left_why(reason: str) -> str:
-    """Why a prompt was left to do, in a word: budget, halted (account failure), or transient (outage)."""
-    if "budget" in reason and "is spent" in reason:
-        return "budget"
-    if " halted: " in reason:
-        return "halted"
-    return "transient"
-
-
 def source_report(sources: list[Any], tally: Tally) -> dict[str, dict[str, Any]]:
     """Per configured source, this attempt: samples it generated, prompts it spilled past the overflow
     deadline, prompts it left to do (by why), and, when its engine failed to start, why."""
-    return {s.name: {"kind": s.kind, "served": tally.served[s.name], "spilled": tally.spilled[s.name],
-                     "left_to_do": {why: n for (name, why), n in sorted(tally.left.items()) if name == s.name},
-                     "start_error": tally.start_errors.get(s.name)} for s in sources}
+    out = {s.name: {"kind": s.kind, "served": tally.served[s.name], "spilled": tally.spilled[s.name],
+                    "left_to_do": {why: n for (name, why), n in sorted(tally.left.items()) if name == s.name},
+                    "start_error": tally.start_errors.get(s.name)} for s in sources}
+    for name, n in tally.requests.items():
+        if name in out:  # requests per row, as the rows report them (the ledger counts sent/settled/released)
+            out[name] |= {"requests": n, "retried": n - tally.asked[name]}
+    return out
 
 
 def ledger_report(ledger: Any) -> dict[str, Any]:
@@ -214,9 +214,9 @@ def attention_lines(r: dict[str, Any]) -> list[str]:
     for name, src in (r.get("sources") or {}).items():
         left = src.get("left_to_do") or {}
         halted = ((r.get("spend") or {}).get(name) or {}).get("halted")
-        if halted:
-            out.append(f"  ! source {name}: stopped: {halted} — {sum(left.values())} prompts left to do; "
-                       "fix the account and re-run to resume")
+        if halted or left.get("account"):
+            out.append(f"  ! source {name}: stopped: {halted or 'account error'} — {sum(left.values())} prompts "
+                       "left to do; fix the account and re-run to resume")
         elif left.get("transient"):
             out.append(f"  ! source {name}: API failing (network, timeouts or 5xx) — {left['transient']} prompts "
                        "left to do; re-run to resume")

@@ -39,7 +39,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     anything starts or is spent.
     """
     layout = RunLayout(cfg.output_dir)
-    layout.root.mkdir(parents=True, exist_ok=True)
+    prepare_output(layout)
     with RunLock.for_folder(layout.root):
         return _run(cfg, layout)
 
@@ -53,13 +53,13 @@ def _run(cfg: RunConfig, layout: RunLayout) -> dict[str, Any]:
         build_tiny_target(cfg.model.path, variant=cfg.model.tiny_variant)
     # before Ray starts: a folder written with other settings must fail in a second, not after start-up
     check_or_write_manifest(cfg, layout.root, has_samples=has_finished_rows(layout))
+    check_api_keys(cfg)
+    t0 = time.perf_counter()
+    prompts, counts = read_prompts(cfg, layout)  # a file that cannot be read stops the run here, before Ray
+    timings.add("read", t0)
     t0 = time.perf_counter()
     init_ray(cfg)
     timings.add("ray_init", t0)
-
-    t0 = time.perf_counter()
-    prompts, counts = read_prompts(cfg, layout)
-    timings.add("read", t0)
     t0 = time.perf_counter()
     ledgers, held = create_ledgers(cfg, layout)
     tally = generate(cfg, prompts, layout, ledgers, replays(cfg, layout, prompts))
@@ -101,6 +101,41 @@ def init_ray(cfg: RunConfig) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+
+
+def prepare_output(layout: RunLayout) -> None:
+    """Create the output folder, or say in one line why it cannot be (before anything starts)."""
+    from pipeline.config import ConfigError
+
+    root = layout.root
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except FileExistsError:
+        raise ConfigError(f"output_dir {root}: is a file, not a folder") from None
+    except NotADirectoryError:
+        raise ConfigError(f"output_dir {root}: a part of the path is a file, not a folder") from None
+    except PermissionError:
+        raise ConfigError(f"output_dir {root}: not writable by this user") from None
+    except OSError as e:
+        raise ConfigError(f"output_dir {root}: cannot be written ({e.strerror})") from None
+
+
+def check_api_keys(cfg: RunConfig) -> None:
+    """A private local Ray inherits this process's environment: a missing API key is a config error now.
+
+    On a cluster the key must be set where the source actors run, which the driver cannot see; there a
+    missing key halts that source and leaves its prompts to do."""
+    from pipeline.config import ConfigError
+
+    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        return
+    for src in spending_sources(cfg.sources):
+        if src.api_key_required and not os.environ.get(src.api_key_env):
+            raise ConfigError(f"source {src.name!r}: environment variable {src.api_key_env} is not set "
+                              "(set it to the API key, or api_key_required: false for a local server)")
 
 
 def read_prompts(cfg: RunConfig, layout: RunLayout) -> tuple[list[dict[str, Any]], Counter]:
@@ -158,6 +193,11 @@ def finished_ids(layout: RunLayout) -> set[str]:
     """Sample ids already written as passed or quarantined (a resumed run skips them)."""
     return {r["sample_id"] for folder in (layout.samples, layout.quarantine)
             for r in read_rows(folder, ["sample_id"])}
+
+
+def max_prompt_tokens(cfg: RunConfig) -> dict[str, int]:
+    """Per dataset whose ``max_length`` check quarantines: prompts this long are quarantined before generation."""
+    return {d.name: d.checks.max_total_tokens for d in cfg.datasets if d.checks.max_length == "quarantine"}
 
 
 def create_ledgers(cfg: RunConfig, layout: RunLayout) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:
@@ -220,8 +260,8 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunLayout, l
     todo, overrides = prompts, {}
     for _ in range(cfg.routing.max_hops + 2):
         ds = ray.data.from_items(todo, override_num_blocks=max(1, len(todo) // block_rows))
-        ds = ds.map_batches(RenderPrompts, fn_constructor_args=(model.profile, model.path), batch_format="pyarrow",
-                            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+        ds = ds.map_batches(RenderPrompts, fn_constructor_args=(model.profile, model.path, max_prompt_tokens(cfg)),
+                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
         ds = map_routed(ds, cfg.sources, model_dir=model.path, profile=model.profile,
                         sampling=cfg.sampling, router=router, ledgers=ledgers, overrides=overrides,
                         output_dir=str(layout.root), replays=replayed)

@@ -21,10 +21,15 @@ from pipeline.validate import annotate, quarantine_reason, validate_sample
 
 
 class RenderPrompts:
-    """Chat-template each prompt into the exact ids the engine is given."""
+    """Chat-template each prompt into the exact ids the engine is given.
 
-    def __init__(self, profile: str, model_dir: str | None) -> None:
+    ``max_prompt_tokens`` (dataset -> limit): a prompt that leaves no room for a response under its
+    dataset's ``max_length`` check is quarantined here, before any source spends compute or money on it.
+    """
+
+    def __init__(self, profile: str, model_dir: str | None, max_prompt_tokens: dict[str, int] | None = None) -> None:
         self.profile = load_profile(profile, model_dir)
+        self.max_prompt_tokens = dict(max_prompt_tokens or {})
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         out = []
@@ -39,6 +44,10 @@ class RenderPrompts:
                 sample["thinking"] = rendered.thinking
             except Exception as e:  # a prompt the template cannot render is quarantined, not fatal
                 mark(sample, "quarantine", "render", f"render failed: {type(e).__name__}: {e}")
+            limit = self.max_prompt_tokens.get(str(row["dataset"]))
+            if sample["status"] == "ok" and limit is not None and len(sample["prompt_ids"]) >= limit:
+                mark(sample, "quarantine", "render", f"max_length: prompt of {len(sample['prompt_ids'])} tokens "
+                     f"leaves no room for a response under max_total_tokens {limit} (nothing was generated)")
             out.append(sample)
         return rows_to_table(out)
 

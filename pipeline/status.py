@@ -70,6 +70,7 @@ def dataset_status(cfg: RunConfig, samples: list[dict[str, Any]], quarantine: li
 
 def spend_status(cfg: RunConfig, out: Path, samples: list[dict[str, Any]]) -> dict[str, Any]:
     from pipeline.ledger import read_journal
+    from pipeline.sources.http_journal import billed_by_dataset, load_responses
     from pipeline.sources.registry import spending_sources
 
     spend = {}
@@ -80,12 +81,22 @@ def spend_status(cfg: RunConfig, out: Path, samples: list[dict[str, Any]]) -> di
             if r["source"] == src.name:
                 billed[r["dataset"]] += max(int(r["billed_completion_tokens"] or 0), 0)
                 cost += float(r["cost"] or 0.0)
-        committed = read_journal(str(RunLayout(out).ledger(src.name)))
-        datasets = sorted(set(billed) | set(committed) | set(src.budgets))
+        layout = RunLayout(out)
+        committed = read_journal(str(layout.ledger(src.name)))
+        journaled = billed_by_dataset(layout.responses, src.name)
+        written = {r["sample_id"] for r in samples}
+        # paid for, not yet written (a killed attempt's): a re-run rebuilds these without paying again
+        unwritten = Counter(rec.dataset for sid, rec in load_responses(layout.responses, src.name).items()
+                            if sid not in written)
+        datasets = sorted(set(billed) | set(committed) | set(src.budgets) | set(journaled))
         spend[src.name] = {
             "cost_usd_in_samples": round(cost, 6),
             "datasets": {d: {"budget": src.budgets.get(d, src.default_budget), "committed": committed.get(d, 0),
-                             "billed_in_samples": billed.get(d, 0)} for d in datasets},
+                             "billed_in_samples": billed.get(d, 0), "billed_in_journal": journaled.get(d, 0),
+                             "paid_responses_not_written": unwritten.get(d, 0),
+                             "held_by_killed_requests": max(0, committed.get(d, 0)
+                                                            - max(billed.get(d, 0), journaled.get(d, 0)))}
+                         for d in datasets},
         }
     return spend
 
@@ -171,7 +182,13 @@ def format_status(s: dict[str, Any]) -> str:
         for d, v in sp["datasets"].items():
             budget = "no cap" if v["budget"] is None else f"budget {v['budget']}"
             lines.append(f"    {d:<16} {v['committed']} tokens committed, {v['billed_in_samples']} billed in "
-                         f"samples, {budget}")
+                         f"samples, {v['billed_in_journal']} billed in the response journal, {budget}")
+            if v["paid_responses_not_written"]:
+                lines.append(f"    {'':<16} {v['paid_responses_not_written']} paid responses not yet written "
+                             "(a re-run uses them without paying again)")
+            if v["held_by_killed_requests"]:
+                lines.append(f"    {'':<16} {v['held_by_killed_requests']} tokens held by requests in flight when "
+                             "an attempt was killed (they may have been billed)")
     m = s["manifest"]
     if m["differences"]:
         lines.append("  manifest differs from the config (a re-run would refuse):")

@@ -72,13 +72,19 @@ class RayHead:
 
     def __init__(self, temp_dir: Path, num_cpus: int = 2) -> None:
         self.temp_dir = temp_dir
+        # Every service on a port of its own: a default port still held by a Ray that just stopped (or another
+        # Ray on the machine) would leave the head without a dashboard agent ("No available agent to submit job").
         self.port, self.dashboard_port = _free_port(), _free_port()
+        self.agent_port = _free_port()
+        service_ports = [f"--dashboard-agent-listen-port={self.agent_port}",
+                         f"--dashboard-agent-grpc-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+                         f"--runtime-env-agent-port={_free_port()}", f"--ray-client-server-port={_free_port()}"]
         self.env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
              "--node-ip-address=127.0.0.1", f"--port={self.port}", f"--num-cpus={num_cpus}",
              f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats"],
+             f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats", *service_ports],
             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
 
@@ -99,7 +105,9 @@ class RayHead:
                 raise RuntimeError("ray start --head exited")
             try:
                 urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2)
-                return
+                # the job server needs the dashboard agent: wait until it listens too
+                with socket.create_connection(("127.0.0.1", self.agent_port), timeout=2):
+                    return
             except OSError:
                 time.sleep(1)
         raise TimeoutError("Ray head did not come up")

@@ -176,9 +176,10 @@ class HttpEngine:
         wait_s = self.cfg.budget_poll_s
         while attempts < self.cfg.max_attempts:
             if self.ledger.halted:
-                return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {self.ledger.halted}")
+                return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {self.ledger.halted}",
+                                           "account")
             if dataset in self._exhausted:
-                return self._not_generated(row, attempts, self._budget_spent(dataset))
+                return self._not_generated(row, attempts, self._budget_spent(dataset), "budget")
             gate = self.circuit.admit(time.monotonic())
             if gate == "give_up":
                 return self._gave_up(row, attempts, self.circuit.describe(time.monotonic()), digest)
@@ -211,7 +212,7 @@ class HttpEngine:
                 reason = self.redact(f"{_account_problem(last.status)} ({last.describe()})")
                 await self.ledger.halt(reason)
                 log.error("source %r stops sending: %s", self.source_name, reason)
-                return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {reason}")
+                return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {reason}", "account")
             if cls == "sample":
                 return self._quarantined(row, attempts, last)
             if attempts >= self.cfg.max_attempts:
@@ -332,10 +333,11 @@ class HttpEngine:
         return self._exclude_list
 
     # -- output rows ----------------------------------------------------------
-    def _base(self, row: dict[str, Any], status: str, error: str, attempts: int) -> dict[str, Any]:
+    def _base(self, row: dict[str, Any], status: str, error: str, attempts: int,
+              failure_class: str | None = None) -> dict[str, Any]:
         out = empty_sample(row)
         out.update(self._constant_fields)
-        out["status"], out["error"], out["attempts"] = status, error, attempts
+        out["status"], out["error"], out["attempts"], out["failure_class"] = status, error, attempts, failure_class
         self.stats[status] += 1
         return out
 
@@ -357,12 +359,13 @@ class HttpEngine:
     def _quarantined(self, row: dict[str, Any], attempts: int, last: Failure) -> dict[str, Any]:
         reason = self.redact(f"after {attempts} attempt(s): {last.describe()}")
         log.warning("quarantined %s: %s", row.get("sample_id"), reason)
-        out = self._base(row, QUARANTINED, reason, attempts)
+        out = self._base(row, QUARANTINED, reason, attempts, last.failure_class)
         out["provider"] = last.provider
         return out
 
-    def _not_generated(self, row: dict[str, Any], attempts: int, reason: str) -> dict[str, Any]:
-        return self._base(row, NOT_GENERATED, reason, attempts)
+    def _not_generated(self, row: dict[str, Any], attempts: int, reason: str,
+                       failure_class: str = "transient") -> dict[str, Any]:
+        return self._base(row, NOT_GENERATED, reason, attempts, failure_class)
 
     def _gave_up(self, row: dict[str, Any], attempts: int, reason: str, digest: str) -> dict[str, Any]:
         """Transient failures outlasted this run's retries: left to do, and the give-up journaled (counted

@@ -13,6 +13,7 @@ requests in flight; all actors of a source share one budget ledger actor
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import random
 import uuid
@@ -23,27 +24,35 @@ import pyarrow as pa
 
 from pipeline.config import OpenRouterSourceConfig, SamplingConfig
 from pipeline.flight import NextSource, batch_to_rows, fail_row, leave_to_do, rows_to_table, served, serves
+from pipeline.ledger import halt
 from pipeline.profiles import load_profile
 from pipeline.records import SAMPLE_COLUMNS, SAMPLE_SCHEMA
 from pipeline.sources.http_engine import NOT_GENERATED, OK, QUARANTINED, HttpEngine, Secret
 from pipeline.sources.http_journal import Record, ResponseJournal, journal_path
 from pipeline.sources.http_ledger_client import ledger_client
 
+log = logging.getLogger(__name__)
+
 # Columns the stage adds to SAMPLE_SCHEMA so one table carries all three outcomes.
-STATUS_COLUMNS = ["status", "error", "attempts", "generation_id"]
+STATUS_COLUMNS = ["status", "error", "failure_class", "attempts", "generation_id"]
 OUTPUT_SCHEMA = pa.schema(list(SAMPLE_SCHEMA) + [
     pa.field("status", pa.string()),
     pa.field("error", pa.string()),
+    pa.field("failure_class", pa.string()),  # not ok: transient | sample | account | budget
     pa.field("attempts", pa.int32()),
     pa.field("generation_id", pa.string()),
 ])
+
+
+class MissingKey(RuntimeError):
+    """The API key's environment variable is not set where the source runs."""
 
 
 def read_api_key(cfg: OpenRouterSourceConfig) -> Secret:
     """The key from the environment variable the config names; errors name the variable, never a value."""
     key = os.environ.get(cfg.api_key_env, "")
     if not key and cfg.api_key_required:
-        raise RuntimeError(f"source {cfg.name!r}: environment variable {cfg.api_key_env} is not set "
+        raise MissingKey(f"source {cfg.name!r}: environment variable {cfg.api_key_env} is not set "
                            "(it must be set where the source actors run, before Ray starts)")
     return Secret(key)
 
@@ -132,6 +141,7 @@ def merge_outcome(row: dict[str, Any], outcome: Mapping[str, Any], source_name: 
         if outcome.get(k) is not None:
             row[k] = outcome[k]
     row["attempts"] = (row.get("attempts") or 0) + int(outcome.get("attempts") or 0)
+    row["failure_class"] = outcome.get("failure_class")
     if status == OK:
         keep = ("prompt_ids", "prompt_assistant_mask", "sample_id", "dataset", "row_index")
         row.update({k: outcome[k] for k in SAMPLE_COLUMNS if k in outcome and k not in keep})
@@ -153,13 +163,23 @@ class OpenRouterFlight:
                  output_dir: str | None = None, replay: Mapping[str, str] | None = None) -> None:
         self.name = cfg.name
         self.router = router
-        self.inner = OpenRouterGenerator(cfg, profile, model_dir, ledger, sampling=sampling, source_name=cfg.name,
-                                         output_dir=output_dir, replay=replay)
+        self.start_error: str | None = None
+        try:
+            self.inner = OpenRouterGenerator(cfg, profile, model_dir, ledger, sampling=sampling,
+                                             source_name=cfg.name, output_dir=output_dir, replay=replay)
+        except MissingKey as e:  # an account problem: its prompts stay to do (or move on), the run goes on
+            self.start_error = str(e)
+            log.error("%s; its prompts are left to do", e)
+            halt(ledger, self.start_error)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch_to_rows(batch)
         todo = [r for r in rows if serves(r, self.name)]
-        if todo:
+        if todo and self.start_error is not None:
+            for r in todo:
+                r["failure_class"] = "account"
+                leave_to_do(r, f"source {self.name!r} halted: {self.start_error}", self.name, self.router)
+        elif todo:
             outcomes = (await self.inner(todo)).to_pylist()
             for r, o in zip(todo, outcomes, strict=True):
                 merge_outcome(r, o, self.name, self.router)

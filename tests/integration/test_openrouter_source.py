@@ -137,7 +137,7 @@ def test_every_fault_ends_in_its_class(profile, caplog):
     # ledger counted each of them as its whole reservation.
     assert server_billed <= rep["datasets"]["d"]["spent"] <= cfg.budgets["d"]
     d = rep["datasets"]["d"]
-    assert d["sent"] == d["requests"] + d["released"] > len(rows)  # retries included
+    assert d["sent"] == d["settled"] + d["released"] > len(rows)  # retries included
     # Billing drift (Beta), corrupted text (Gamma) and 502s (Delta) get routed around; honest Alpha does not.
     assert {"Beta", "Gamma", "Delta"} <= set(rep["excluded"]) and "Alpha" not in rep["excluded"]
     assert "drift" not in rep["providers"]["Alpha"] and rep["providers"]["Beta"]["mean_abs_billing_drift"] > 8

@@ -303,3 +303,54 @@ def test_the_source_union_is_the_registry():
     for name, kind in SOURCES.items():
         assert kind.config.model_fields["kind"].default == name
         assert callable(kind.actor_class())  # the import path resolves
+
+
+def test_dataset_path_that_is_a_folder_or_has_another_extension(workdir):
+    (workdir / "prompts" / "dir.jsonl").mkdir()
+    msg = _error(workdir, _edit(datasets__0__path="prompts/dir.jsonl"))
+    assert "is a folder, expected a .jsonl, .json or .parquet file" in msg
+    (workdir / "prompts" / "rows.csv").write_text("a,b\n")
+    msg = _error(workdir, _edit(datasets__0__path="prompts/rows.csv"))
+    assert "expected a .jsonl, .json or .parquet file" in msg
+
+
+@pytest.mark.parametrize("where", ["file", "under-file"])
+def test_run_refuses_an_output_folder_it_cannot_use_before_anything_starts(tmp_path, where):
+    """`pipeline run` with an output_dir that is a file (or under one): one line naming it, exit 2, no Ray."""
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a folder")
+    out = blocker if where == "file" else blocker / "run"
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    cfg = {"output_dir": str(out), "model": {"profile": "deepseek", "path": str(tmp_path / "model")},
+           "datasets": [{"name": "chat", "path": str(tmp_path / "prompts" / "chat.jsonl")}],
+           "sources": [{"kind": "transformers", "name": "hf"}], "training": None}
+    (tmp_path / "model").mkdir()
+    path = _write(tmp_path, cfg)
+    res = subprocess.run([sys.executable, "-m", "pipeline", "run", str(path)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and str(out) in lines[0] and "Traceback" not in res.stderr
+    assert ("is a file, not a folder" if where == "file" else "a part of the path is a file") in lines[0]
+
+
+def test_run_refuses_an_unreadable_dataset_before_ray_starts(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "rows.json").write_text('[{"messages": ')  # cut off
+    (tmp_path / "model").mkdir()
+    cfg = {"output_dir": str(tmp_path / "out"), "model": {"profile": "deepseek", "path": str(tmp_path / "model")},
+           "datasets": [{"name": "chat", "path": str(tmp_path / "prompts" / "rows.json")}],
+           "sources": [{"kind": "transformers", "name": "hf"}], "training": None}
+    path = _write(tmp_path, cfg)
+    res = subprocess.run([sys.executable, "-m", "pipeline", "run", str(path)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "input error" in res.stderr and "rows.json: not valid JSON" in res.stderr
+    assert "Traceback" not in res.stderr and "ray" not in res.stderr.lower()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pyarrow as pa
@@ -10,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import DatasetConfig
-from pipeline.datasets import Prompt, RowError, load_dataset, parse_row, sample_id
+from pipeline.datasets import DatasetError, Prompt, RowError, load_dataset, parse_row, sample_id
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "data" / "prompts"
@@ -289,6 +290,112 @@ def test_max_rows_and_thinking_flag(tmp_path):
     assert all(p["thinking"] is False for p in prompts)
 
 
+# -- bad files ----------------------------------------------------------------
+
+
+def test_invalid_utf8_line_is_quarantined_with_file_and_line(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    good = json.dumps({"instruction": "ok"}).encode()
+    path.write_bytes(good + b"\n\n" + b'{"instruction": "caf\xe9 \xff"}\n' + good + b"\n")
+    prompts, bad = _load(path, "instruction", name="u8")
+    assert [p["row_index"] for p in prompts] == [0, 2]  # the blank line is no row; the bad line keeps its index
+    assert len(bad) == 1 and bad[0]["row_index"] == 1 and bad[0]["stage"] == "read"
+    assert "not valid UTF-8 (mixed.jsonl line 3)" in bad[0]["reason"]  # line 3 of the file, counting blanks
+    assert "\\xe9" in bad[0]["raw"] and "caf" in bad[0]["raw"]  # the bad bytes stay visible
+    assert bad[0]["sample_id"].startswith("u8:1:")
+
+
+def test_utf8_bom_is_not_a_bad_row(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"instruction": "ok"}).encode() + b"\n")
+    assert _load(path, "instruction") == _load(_write_jsonl(tmp_path / "plain.jsonl", [{"instruction": "ok"}]),
+                                               "instruction")
+    bom_json = tmp_path / "bom.json"
+    bom_json.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"instruction": "ok"}]).encode())
+    assert len(_load(bom_json, "instruction")[0]) == 1
+
+
+def test_bad_json_line_reason_names_file_and_line(tmp_path):
+    path = tmp_path / "lines.jsonl"
+    path.write_text(json.dumps({"instruction": "ok"}) + "\n" + '{"instruction": "cut' + "\n", encoding="utf-8")
+    bad = _load(path, "instruction")[1]
+    assert len(bad) == 1 and "line is not valid JSON (lines.jsonl line 2)" in bad[0]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b'[{"instruction": "a"},\n {oops}]', "not valid JSON: Expecting property name enclosed in double quotes "
+                                              "(line 2, column 3)"),
+        (b'{"instruction": "a"}\n{"instruction": "b"}\n', "(line 2, column 1; one JSON value per line? "
+                                                          "name the file .jsonl)"),
+        (b'{"rows": []}', "a .json dataset must hold a list of rows, found an object"),
+        (b'"just text"', "a .json dataset must hold a list of rows, found a string"),
+        (b'[{"instruction": "a"},\n {"instruction": "\xff"}]', "not valid UTF-8 at line 2"),
+    ],
+    ids=["syntax", "jsonl-in-json", "object", "string", "utf8"],
+)
+def test_bad_json_file_is_a_clear_error(tmp_path, content, expected):
+    path = tmp_path / "rows.json"
+    path.write_bytes(content)
+    with pytest.raises(DatasetError) as err:
+        _load(path, "instruction")
+    assert str(err.value).startswith(f"{path}: ") and expected in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("name", ["data.jsonl", "data.json", "data.parquet"])
+def test_folder_or_missing_path_is_a_clear_error(tmp_path, name):
+    folder = tmp_path / name
+    folder.mkdir()
+    with pytest.raises(DatasetError, match="is a folder, expected a .jsonl, .json or .parquet file"):
+        _load(folder, "messages")
+    with pytest.raises(DatasetError, match="file not found"):
+        _load(tmp_path / f"missing-{name}", "messages")
+
+
+@pytest.mark.parametrize("content", [b"not parquet at all", b"", b"PAR1" + b"\0" * 64 + b"PAR1"],
+                         ids=["text", "zero-bytes", "bad-metadata"])
+def test_invalid_parquet_is_a_clear_error(tmp_path, content):
+    path = tmp_path / "rows.parquet"
+    path.write_bytes(content)
+    with pytest.raises(DatasetError) as err:
+        _load(path, "messages")
+    assert str(err.value).startswith(f"{path}: not a valid Parquet file: ")
+    assert "<Buffer>" not in str(err.value)
+
+
+def _empty_parquet(path: Path) -> None:
+    pq.write_table(pa.table({"messages": pa.array([], pa.string())}), path)
+
+
+@pytest.mark.parametrize(
+    ("name", "write"),
+    [
+        ("empty.jsonl", lambda p: p.write_bytes(b"")),
+        ("blank.jsonl", lambda p: p.write_text("\n  \n\n")),
+        ("empty.json", lambda p: p.write_text("[]")),
+        ("blank.json", lambda p: p.write_bytes(b"")),
+        ("empty.parquet", _empty_parquet),
+    ],
+)
+def test_empty_file_loads_with_a_warning(tmp_path, caplog, name, write):
+    path = tmp_path / name
+    write(path)
+    with caplog.at_level(logging.WARNING, logger="pipeline"):
+        assert _load(path, "messages", name="hollow") == ([], [])
+    [rec] = [r for r in caplog.records if r.name.startswith("pipeline")]
+    assert rec.levelno == logging.WARNING
+    assert "'hollow'" in rec.getMessage() and str(path) in rec.getMessage() and "no rows" in rec.getMessage()
+
+
+def test_no_empty_warning_for_rows_all_quarantined(tmp_path, caplog):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"instruction": ""}])
+    with caplog.at_level(logging.WARNING, logger="pipeline"):
+        prompts, bad = _load(path, "instruction")
+    assert prompts == [] and len(bad) == 1 and caplog.records == []
+
+
 # -- malformed rows -----------------------------------------------------------
 
 FIXTURE_REASONS = {  # row index in tests/data/malformed_messages.jsonl -> what the reason must name
@@ -318,6 +425,7 @@ def test_malformed_rows_are_quarantined_never_dropped():
     assert len({b["sample_id"] for b in bad}) == len(bad)
     by_index = {b["row_index"]: b for b in bad}
     assert "broken line" in by_index[1]["raw"] and "robot" in by_index[3]["raw"]
+    assert "(malformed_messages.jsonl line 2)" in by_index[1]["reason"]
 
 
 @pytest.mark.parametrize(
