@@ -5,17 +5,59 @@ let BPE merge across one: text is cut at every special string first and each
 piece between them is encoded on its own. That is what the target's own
 tokenizer does when an engine tokenizes a rendered prompt, so ids built here
 equal the ids the engine was given.
+
+``encode(text, specials)`` honours only the special strings in ``specials``
+(cut there, encoded as their ids); any other special string is ordinary text,
+tokenized the way the model writes such a string when it is not the token
+(``encode_ordinary``). ``specials=None`` honours all of them.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import re
 import unicodedata
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from functools import lru_cache
 from pathlib import Path
 
 import tiktoken
+
+
+@lru_cache(maxsize=64)
+def special_splitter(specials: frozenset[str]) -> re.Pattern[str] | None:
+    """A pattern whose ``split`` keeps each of ``specials`` as its own piece (odd indices); longest first."""
+    if not specials:
+        return None
+    alternatives = sorted(specials, key=lambda t: (-len(t), t))
+    return re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
+
+
+def encode_honouring(text: str, specials: Collection[str], ids_of: Mapping[str, int],
+                     ordinary: Callable[[str], list[int]]) -> list[int]:
+    """Cut ``text`` at the special strings in ``specials`` (their ids), the pieces between as ordinary text."""
+    unknown = [t for t in specials if t not in ids_of]
+    if unknown:
+        raise KeyError(f"not special tokens of this tokenizer: {sorted(unknown)[:3]}")
+    splitter = special_splitter(frozenset(specials))
+    if splitter is None:
+        return ordinary(text) if text else []
+    ids: list[int] = []
+    for k, piece in enumerate(splitter.split(text)):
+        if k % 2:
+            ids.append(ids_of[piece])
+        elif piece:
+            ids += ordinary(piece)
+    return ids
+
+
+def normalize_honouring(text: str, specials: Collection[str], norm: Callable[[str], str]) -> str:
+    """``norm`` applied to each piece between the honoured special strings (what encode-then-decode gives)."""
+    splitter = special_splitter(frozenset(specials))
+    if splitter is None:
+        return norm(text)
+    return "".join(p if k % 2 else norm(p) for k, p in enumerate(splitter.split(text)))
 
 
 class HFTokenizer:
@@ -24,11 +66,29 @@ class HFTokenizer:
     def __init__(self, tokenizer_file: str | Path) -> None:
         from tokenizers import Tokenizer
 
+        self._file = Path(tokenizer_file)
         self._tok = Tokenizer.from_file(str(tokenizer_file))
+        self._plain: Tokenizer | None = None
+        self._added: dict[str, int] | None = None
         self.vocab_size = self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, specials: Collection[str] | None = None) -> list[int]:
+        """Ids for text; ``specials`` limits which added-token strings are cut out as their ids (None: all)."""
+        if specials is None:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        if self._added is None:
+            self._added = self.added_tokens()
+        return encode_honouring(text, specials, self._added, self.encode_ordinary)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Ids for text with no added token matched: the same tokenizer with its added tokens left out."""
+        if self._plain is None:
+            from tokenizers import Tokenizer
+
+            spec = json.loads(self._file.read_text(encoding="utf-8"))
+            spec["added_tokens"] = []
+            self._plain = Tokenizer.from_str(json.dumps(spec))
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
@@ -45,10 +105,14 @@ class HFTokenizer:
     def added_tokens(self) -> dict[str, int]:
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
 
-    def normalize(self, text: str) -> str:
+    def normalize(self, text: str, specials: Collection[str] | None = None) -> str:
         """The text that decoding this tokenizer's encoding of ``text`` gives back (its normalizer applied)."""
         norm = self._tok.normalizer
-        return norm.normalize_str(text) if norm is not None else text
+        if norm is None:
+            return text
+        if specials is None:
+            return norm.normalize_str(text)
+        return normalize_honouring(text, specials, norm.normalize_str)
 
 
 def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
@@ -105,8 +169,7 @@ class TiktokenTokenizer:
         self._special = dict(special_tokens)
         self._special_by_id = {i: t for t, i in self._special.items()}
         # Longest first, so a special string that is a prefix of another never wins.
-        alternatives = sorted(self._special, key=len, reverse=True)
-        self._special_re = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if alternatives else None
+        self._special_re = special_splitter(frozenset(self._special))
         self._nfc = nfc
         self._max_run = max_run
         self.n_base = len(ranks)
@@ -122,16 +185,14 @@ class TiktokenTokenizer:
             out += self._enc.encode_ordinary(part)
         return out
 
-    def encode(self, text: str) -> list[int]:
-        if self._special_re is None:
-            return self._encode_piece(text)
-        ids: list[int] = []
-        for k, piece in enumerate(self._special_re.split(text)):
-            if k % 2:
-                ids.append(self._special[piece])
-            elif piece:
-                ids += self._encode_piece(piece)
-        return ids
+    def encode(self, text: str, specials: Collection[str] | None = None) -> list[int]:
+        """Ids for text; ``specials`` limits which special strings are cut out as their ids (None: all)."""
+        return encode_honouring(text, self._special if specials is None else specials, self._special,
+                                self._encode_piece)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Ids for text with every special string in it treated as ordinary text."""
+        return self._encode_piece(text) if text else []
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(list(ids), errors="replace")
@@ -144,9 +205,9 @@ class TiktokenTokenizer:
     def added_tokens(self) -> dict[str, int]:
         return dict(self._special)
 
-    def normalize(self, text: str) -> str:
-        """The text that decoding this tokenizer's encoding of ``text`` gives back."""
-        if not self._nfc or self._special_re is None:
-            return unicodedata.normalize("NFC", text) if self._nfc else text
-        pieces = self._special_re.split(text)
-        return "".join(p if k % 2 else unicodedata.normalize("NFC", p) for k, p in enumerate(pieces))
+    def normalize(self, text: str, specials: Collection[str] | None = None) -> str:
+        """The text that decoding this tokenizer's encoding of ``text`` gives back (``specials`` as for encode)."""
+        if not self._nfc:
+            return text
+        return normalize_honouring(text, self._special if specials is None else specials,
+                                   lambda t: unicodedata.normalize("NFC", t))

@@ -259,3 +259,23 @@ def test_html_escapes_names_and_handles_no_billing() -> None:
     html = render_html(accumulate([s]).report(), title="t & co")
     assert "<b>evil</b>" not in html and "&lt;b&gt;evil&lt;/b&gt;" in html and "t &amp; co" in html
     assert "No billed samples." in html
+
+
+def test_the_run_audit_judges_each_dataset_by_its_own_checks():
+    """Two datasets with different billing thresholds: each sample's outlier call uses its own dataset's."""
+    from pipeline.config import ChecksConfig, DatasetConfig
+    from pipeline.report import audit_for
+    from pipeline.validate import Verdict
+
+    strict = ChecksConfig(billing="off", billing_abs_threshold=1, billing_rel_threshold=0.0)
+    loose = ChecksConfig(billing="off", billing_abs_threshold=100, billing_rel_threshold=5.0)
+    audit = audit_for([DatasetConfig(name="a", path="a.jsonl", checks=strict),
+                       DatasetConfig(name="b", path="b.jsonl", checks=loose)])
+    for ds in ("a", "b"):
+        sample = {"sample_id": f"{ds}:1", "dataset": ds, "provider": "p", "output_ids": list(range(20)),
+                  "billed_completion_tokens": 10, "ids_from": "rebuilt"}
+        audit.add(sample, Verdict(failed={}, flagged={}, ran=[]))
+    rep = audit.report()
+    assert rep["by_dataset"]["a"]["billing"]["outliers"] == 1
+    assert rep["by_dataset"]["b"]["billing"]["outliers"] == 0
+    assert rep["by_dataset"]["a"]["checks"]["billing"]["mode"] == "off"

@@ -122,19 +122,25 @@ def test_clean_samples_pass_every_check() -> None:
         assert set(v.ran) == expected
 
 
-def _special(text: str) -> bool:
-    return any(sp in text for sp in P.special_ids)
+def _real_in(field_specials: frozenset[str]):  # noqa: ANN202 - a filter predicate
+    return lambda text: not any(sp in text for sp in field_specials)
+
+
+def _text_with_specials() -> st.SearchStrategy[str]:
+    piece = st.one_of(st.text(st.characters(blacklist_categories=("Cs",)), max_size=40),
+                      st.sampled_from(sorted(P.special_ids)))
+    return st.lists(piece, max_size=6).map("".join)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(reasoning=st.text(st.characters(blacklist_categories=("Cs",)), max_size=200).filter(lambda t: not _special(t)),
-       content=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=200)
-       .filter(lambda t: t.strip() and not _special(t)))
+@given(reasoning=_text_with_specials().filter(_real_in(P.reasoning_specials)),
+       content=_text_with_specials().filter(lambda t: t.strip()).filter(_real_in(P.content_specials)))
 def test_rebuilt_text_is_never_a_structural_or_roundtrip_failure(reasoning: str, content: str) -> None:
-    """Any plain text a provider returns rebuilds into ids that are structurally sound and canonical.
+    """Any text a provider returns rebuilds into ids that are structurally sound and canonical.
 
-    Text holding special-token strings (a leaked tool-call marker) is excluded: catching it is the
-    job of the structure and tool-semantics checks, tested below.
+    Special-token strings a field cannot hold (``</think>`` in reasoning, the end-of-turn or a role
+    header anywhere) are text and pass. Strings that are real there (a raw tool-call marker) are
+    excluded: what they make of the tool-call layout is the structure and tool-semantics checks' job.
     """
     s = api_sample("h-1", reasoning, content)
     assert fired(s) & {"structure", "roundtrip", "tool_semantics", "billing"} == set()
@@ -174,32 +180,46 @@ def _tool_ids(section: str, *, reasoning: str = "Check the weather.") -> list[in
     return enc(reasoning) + [P.think_end_id] + enc("Sure") + enc(section) + [P.eot_id]
 
 
-@pytest.mark.parametrize("section, why", [
-    (weather_call(args='{"city": Paris}'), "arguments are not a JSON object"),
-    (weather_call(args='["Paris"]'), "arguments are not a JSON object"),
-    (weather_call(name="get_stock_price"), "names no declared tool"),
-])
-def test_tool_call_content_problems_are_structure(section: str, why: str) -> None:
-    s = engine_sample("t-1", _tool_ids(section), tools=WEATHER)
+BAD_CALLS = [
+    (weather_call(args='{"city": Paris}'), "tool call 'get_weather' at {at}: arguments are not a JSON object"),
+    (weather_call(args='["Paris"]'), "tool call 'get_weather' at {at}: arguments are not a JSON object"),
+    (weather_call(name="get_stock_price"), "tool call 'get_stock_price' at {at} names no declared tool"),
+    (f"{CALLS_BEGIN}{CALL_BEGIN}get_weather{CALL_END}{CALLS_END}", "tool-call section at {at} does not parse"),
+]
+
+
+@pytest.mark.parametrize("section, why", BAD_CALLS)
+def test_tool_call_content_problems_are_tool_semantics(section: str, why: str) -> None:
+    ids = _tool_ids(section)
+    s = engine_sample("t-1", ids, tools=WEATHER)
     v = validate_sample(s, P, CFG)
-    assert set(v.failed) == {"structure"} and not v.flagged, v
-    assert why in v.failed["structure"]
+    assert set(v.failed) == {"tool_semantics"} and not v.flagged, v
+    assert why.format(at=ids.index(P.tool_section_begin_id)) in v.failed["tool_semantics"]
+
+
+@pytest.mark.parametrize("section, why", BAD_CALLS)
+def test_raw_tool_calls_from_an_api_get_the_engine_rule(section: str, why: str) -> None:
+    """Tools not sent: the call comes back as raw markers in content; it is judged by parsing, like engine ids."""
+    s = api_sample("t-4", content="Sure" + section, tools=WEATHER)
+    assert s["output_ids"] == _tool_ids(section, reasoning=REASONING)
+    v = validate_sample(s, P, CFG)
+    assert set(v.failed) == {"tool_semantics"} and not v.flagged, v
+    assert why.format(at=s["output_ids"].index(P.tool_section_begin_id)) in v.failed["tool_semantics"]
 
 
 @pytest.mark.parametrize("section, why", [
     (weather_call()[: -len(CALLS_END)], "never closed"),
     (weather_call() + CALLS_END, "without a begin"),
     (CALLS_BEGIN + weather_call(), "inside the one opened"),
-    (f"{CALLS_BEGIN}{CALL_BEGIN}get_weather{CALL_END}{CALLS_END}", "does not parse"),
     (f"{CALL_BEGIN}get_weather{TOOL_SEP}{{}}{CALL_END}", "outside a section"),
 ])
-def test_unbalanced_sections_are_structure_and_leak_into_content(section: str, why: str) -> None:
-    """A section no parser accepts stays in the content as raw markers: both checks say so."""
-    s = engine_sample("t-2", _tool_ids(section), tools=WEATHER)
-    v = validate_sample(s, P, CFG)
-    assert set(v.failed) == {"structure", "tool_semantics"} and not v.flagged, v
-    assert why in v.failed["structure"]
-    assert "markers in content" in v.failed["tool_semantics"]
+def test_unbalanced_sections_are_structure(section: str, why: str) -> None:
+    """Bracketing is the token layout's business; the calls inside a closed section are tool_semantics'."""
+    for s in (engine_sample("t-2", _tool_ids(section), tools=WEATHER),
+              api_sample("t-3", content="Sure" + section, tools=WEATHER)):
+        v = validate_sample(s, P, CFG)
+        assert set(v.failed) == {"structure"} and not v.flagged, (s["ids_from"], v)
+        assert why in v.failed["structure"]
 
 
 def test_truncated_inside_a_tool_section_is_not_a_structure_failure() -> None:
@@ -247,24 +267,43 @@ def test_truncation_inside_a_multibyte_character_is_not_a_roundtrip_failure() ->
 # -- billing ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("diff, flagged", [(0, False), (1, False), (-2, False), (65, True), (-9, True)])
-def test_billing_absolute_threshold(diff: int, flagged: bool) -> None:
-    s = api_sample("b-1", reasoning=" ".join(f"step {i}" for i in range(150)), content="Done.", diff=diff)
-    assert fired(s) == ({"billing"} if flagged else set())
+LONG_REASONING = " ".join(f"step {i}" for i in range(150))  # 454 ids with "Done."
 
 
-def test_billing_relative_threshold_and_detail() -> None:
-    s = api_sample("b-2", reasoning="The user asks about the weather in Paris today.",
-                   content="It is sunny and warm in Paris today; enjoy the day!", diff=3)  # 3 of ~25 is > 5%
+@pytest.mark.parametrize("diff, counted", [(0, False), (1, False), (-2, False), (8, False), (-9, False),
+                                           (21, False), (22, True), (65, True), (-40, True)])
+def test_billing_drift_counts_over_both_thresholds(diff: int, counted: bool) -> None:
+    """Over 8 tokens and over 5% of the billed count: 9 of 463 or 21 of 433 are not drift, 22 of 432 is."""
+    s = api_sample("b-1", reasoning=LONG_REASONING, content="Done.", diff=diff)
+    assert len(s["output_ids"]) == 454
+    assert fired(s) == ({"billing"} if counted else set())
+    short = api_sample("b-4", reasoning="The user asks about the weather in Paris today.",
+                       content="It is sunny and warm in Paris today; enjoy the day!", diff=3)  # 3 of 22: 13.6%
+    assert fired(short) == set()
+
+
+def test_rebuilt_ids_that_disagree_with_the_bill_are_quarantined_with_the_figures() -> None:
+    """content null, finish stop: the ids cannot account for what was billed (44% off), so they are not trusted."""
+    reasoning = " ".join(f"Case {i}: the sum is {2 * i}, so it holds." for i in range(8))
+    n = len(api_sample("b-2", reasoning=reasoning, content=None)["output_ids"])
+    billed = round(n / 1.44)
+    s = api_sample("b-2", reasoning=reasoning, content=None, diff=n - billed)
+    assert s["billed_completion_tokens"] == billed and s["finish_reason"] == "stop"
     v = validate_sample(s, P, CFG)
-    assert set(v.flagged) == {"billing"} and v.passed
-    assert f"{len(s['output_ids'])} ids vs {s['billed_completion_tokens']} billed (+3" in v.flagged["billing"]
-    assert validate_sample(s, P, ChecksConfig(billing_rel_threshold=0.5)).flagged == {}
+    assert set(v.failed) == {"billing"} and not v.passed, v
+    pct = f"{(n - billed) / billed:.1%}"
+    assert pct.startswith("4") and pct.endswith("%")
+    assert f"rebuilt {n} ids, billed {billed}, difference {n - billed:+d} = {pct}" in v.failed["billing"]
+    assert "thresholds 8 tokens and 5.0%" in v.failed["billing"]
 
 
-def test_billing_quarantines_when_configured_and_skips_unbilled_sources() -> None:
+def test_billing_mode_is_configurable_and_skips_unbilled_sources() -> None:
     s = api_sample("b-3", diff=-40)
-    assert set(validate_sample(s, P, ChecksConfig(billing="quarantine")).failed) == {"billing"}
+    assert set(validate_sample(s, P, CFG).failed) == {"billing"}
+    flagged = validate_sample(s, P, ChecksConfig(billing="flag"))
+    assert flagged.passed and set(flagged.flagged) == {"billing"}
+    assert "billing" not in validate_sample(s, P, ChecksConfig(billing="off")).ran
+    assert validate_sample(s, P, ChecksConfig(billing_abs_threshold=100)).passed
     s["billed_completion_tokens"] = -1
     assert "billing" not in validate_sample(s, P, CFG).ran
 
@@ -273,22 +312,52 @@ def test_billing_quarantines_when_configured_and_skips_unbilled_sources() -> Non
 
 
 def test_tool_call_without_declared_tools() -> None:
-    s = engine_sample("ts-1", _tool_ids(weather_call()), tools=None)
-    v = validate_sample(s, P, CFG)
-    assert set(v.failed) == {"tool_semantics"}, v
-    assert "declared no tools" in v.failed["tool_semantics"]
+    ids = _tool_ids(weather_call())
+    for s in (engine_sample("ts-1", ids, tools=None), api_sample("ts-5", content="Sure" + weather_call())):
+        assert s["output_ids"][-len(enc(weather_call())) - 1:] == ids[-len(enc(weather_call())) - 1:]
+        v = validate_sample(s, P, CFG)
+        assert set(v.failed) == {"tool_semantics"}, v
+        assert "tool call 'get_weather' at" in v.failed["tool_semantics"]
+        assert "the prompt declared no tools" in v.failed["tool_semantics"]
 
 
 def test_structured_tool_calls_without_declared_tools() -> None:
     call = tool_call("get_weather", {"city": "Rome"}, "c0")
-    assert fired(api_sample("ts-2", content="", calls=[call], finish="tool_calls")) == {"tool_semantics"}
+    v = validate_sample(api_sample("ts-2", content="", calls=[call], finish="tool_calls"), P, CFG)
+    assert set(v.failed) == {"tool_semantics"} and not v.flagged
+    assert "'get_weather'" in v.failed["tool_semantics"] and "declared no tools" in v.failed["tool_semantics"]
 
 
-def test_provider_leaking_raw_markers_into_content() -> None:
-    """A provider whose tool parser missed: the call arrives as raw markup inside content."""
+def test_raw_tool_call_to_a_declared_tool_passes() -> None:
+    """Tools not sent to the API (the default): a well-formed call to a declared tool is valid data."""
     s = api_sample("ts-3", content="Checking. " + weather_call(), tools=WEATHER)
+    assert P.tool_section_begin_id in s["output_ids"] and not s["tool_calls"]
     v = validate_sample(s, P, CFG)
-    assert set(v.failed) == {"tool_semantics"} and "markers in content" in v.failed["tool_semantics"]
+    assert v.passed and not v.flagged, v
+    same_ids = engine_sample("ts-6", s["output_ids"], tools=WEATHER)
+    assert validate_sample(same_ids, P, CFG).passed
+
+
+@pytest.mark.parametrize("name", ["deepseek", "qwen3", "kimi-k2.5"])
+def test_raw_and_structured_calls_pass_on_every_profile(name: str) -> None:
+    p = load_profile(name)
+    pad = ("\n", "\n\n") if name == "qwen3" else ("", "")
+    calls = [tool_call("get_weather", {"city": "Paris"}, "functions.get_weather:0"),
+             tool_call("get_weather", {"city": "Rome"}, "functions.get_weather:1")]
+    raw = p.render_tool_calls(calls)
+    for content, structured in ((pad[1] + "Checking." + raw, None), (pad[1] + "Checking.", calls)):
+        c = Completion("Two cities." + pad[0], content, structured, "tool_calls" if structured else "stop")
+        s = _base("ts-7", True, WEATHER, profile=p)
+        ids = rebuild_ids(p, c, True).ids
+        s.update(output_ids=ids, ids_from="rebuilt", reasoning=c.reasoning, content=c.content,
+                 tool_calls=json.dumps(structured) if structured else "", finish_reason=c.finish_reason,
+                 billed_completion_tokens=len(ids))
+        v = validate_sample(s, p, CFG)
+        assert v.passed and not v.flagged, (name, structured is None, v)
+        s["tools"] = json.dumps([{"type": "function", "function": {"name": "search"}}])
+        v = validate_sample(s, p, CFG)
+        assert set(v.failed) == {"tool_semantics"} and "'get_weather'" in v.failed["tool_semantics"], v
+        assert "names no declared tool ['search']" in v.failed["tool_semantics"]
 
 
 def test_tool_section_inside_reasoning() -> None:
@@ -296,7 +365,6 @@ def test_tool_section_inside_reasoning() -> None:
     v = validate_sample(engine_sample("ts-4", ids, tools=WEATHER), P, CFG)
     assert set(v.failed) == {"tool_semantics"}
     assert "inside the reasoning" in v.failed["tool_semantics"]
-    assert "markers in reasoning" in v.failed["tool_semantics"]
 
 
 # -- quality ------------------------------------------------------------------
@@ -358,7 +426,7 @@ def test_a_check_that_raises_is_a_failure_not_a_crash() -> None:
     s = engine_sample("x-1", good_ids())
     s["tools"] = '[{"type": "function", "function": '  # a broken row, not a broken run
     v = validate_sample(s, P, CFG)
-    assert set(v.failed) == {"structure", "tool_semantics"} and not v.flagged
+    assert set(v.failed) == {"tool_semantics"} and not v.flagged
     assert all(d.startswith("check raised JSONDecodeError") for d in v.failed.values())
 
 
