@@ -3,9 +3,15 @@
 ids = encode(reasoning) + [</think>] + encode(content) [+ tool-call section] + [end-of-turn]
 
 Each text segment is encoded on its own so BPE never merges across a special
-token; special-token strings inside text (raw tool-call markers that leak into
-``content`` when no tools were sent) become the special ids the target wrote.
-Structured ``tool_calls`` are rendered back into the profile's native section.
+token. A special-token string inside a field becomes the special id only where
+the layout lets that token occur in that field (``Profile.reasoning_specials``,
+``Profile.content_specials``): raw tool-call markers that leak into ``content``
+when no tools were sent are the ids the target wrote; a ``</think>`` inside the
+``reasoning`` a parser split off, or an end-of-turn or role-header string
+anywhere, was written as text and is encoded as text. Content that no reasoning
+parser touched (reasoning None, thinking on) holds the real ``</think>``: its
+first one. Structured ``tool_calls`` are rendered back into the profile's
+native section, where only the tool-call markers are tokens.
 
 Two things the text alone leaves open, settled by the profile's rules and, when
 the API reports it, the billed ``completion_tokens``:
@@ -27,7 +33,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.profiles.base import Completion, Profile
 
@@ -39,6 +45,16 @@ class Rebuilt:
     reading: str = "default"  # which reading of the text produced ids (see module docstring)
     billed_delta: int | None = None  # len(ids) - billed completion_tokens, when billed
     reasoning_missing: bool = False  # thinking on, yet the API returned no reasoning to rebuild
+
+
+class TextSeg(NamedTuple):
+    """A run of response text and the special-token strings that are tokens inside it."""
+
+    text: str
+    specials: frozenset[str]
+
+
+Segment = int | TextSeg  # a special id the layout puts there, or text
 
 
 @dataclass(frozen=True)
@@ -104,20 +120,29 @@ def _padded(profile: Profile, reasoning: str, content: str, c: Completion, think
     return reasoning, content
 
 
-def response_segments(profile: Profile, c: Completion, thinking: bool, reading: Reading) -> list[str | int]:
+def _unparsed(profile: Profile, c: Completion, thinking: bool) -> bool:
+    """Thinking on and no reasoning parser ran: the content holds the reasoning and the real ``</think>``."""
+    return thinking and c.reasoning is None and profile.think_end_text in (c.content or "")
+
+
+def response_segments(profile: Profile, c: Completion, thinking: bool, reading: Reading) -> list[Segment]:
     """The response as text segments and special ids, in order, for one reading."""
     reasoning, content = c.reasoning or "", c.content or ""
     if reading.pad:
         reasoning, content = _padded(profile, reasoning, content, c, reading.think_end)
-    segs: list[str | int] = []
+    segs: list[Segment] = []
     if reasoning:
-        segs.append(reasoning)
+        segs.append(TextSeg(reasoning, profile.reasoning_specials))
     if reading.think_end:
         segs.append(profile.think_end_id)
+    if content and _unparsed(profile, c, thinking):
+        head, tail = content.split(profile.think_end_text, 1)
+        segs += [TextSeg(head, profile.reasoning_specials), profile.think_end_id]
+        content = tail
     if content:
-        segs.append(content)
+        segs.append(TextSeg(content, profile.content_specials))
     if c.tool_calls:
-        segs.append(profile.render_tool_calls(c.tool_calls))
+        segs.append(TextSeg(profile.render_tool_calls(c.tool_calls), profile.tool_marker_texts))
     if c.finish_reason != "length":
         segs.append(profile.eot_id)
     return segs
@@ -127,7 +152,8 @@ def response_text(profile: Profile, c: Completion, thinking: bool, reading: Read
     """What ``decode(rebuild_ids(...).ids)`` gives back for the default reading (the test oracle)."""
     reading = reading or default_reading(profile, c, thinking)
     parts = response_segments(profile, c, thinking, reading)
-    return "".join(profile.normalize(p) if isinstance(p, str) else profile.token_text(p) for p in parts)
+    return "".join(profile.token_text(p) if isinstance(p, int) else profile.normalize(p.text, p.specials)
+                   for p in parts)
 
 
 def default_reading(profile: Profile, c: Completion, thinking: bool) -> Reading:
@@ -149,11 +175,14 @@ def readings(profile: Profile, c: Completion, thinking: bool) -> list[Reading]:
     return list(dict.fromkeys(out))
 
 
-def encode_segments(profile: Profile, segs: list[str | int]) -> list[int]:
+def encode_segments(profile: Profile, segs: list[Segment | str]) -> list[int]:
+    """Ids of segments: special ids as they are, text with its own specials (a bare str honours all)."""
     ids: list[int] = []
     for seg in segs:
         if isinstance(seg, int):
             ids.append(seg)
+        elif isinstance(seg, TextSeg):
+            ids += profile.encode(seg.text, seg.specials)
         else:
             ids += profile.encode(seg)
     return ids
@@ -202,9 +231,13 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
     kept; decoded from the ids when absent). The text is split as a reasoning parser
     would (``profile.split_text``), billed as the API would bill it (one token
     per id), rebuilt, and compared. A sample is canonical when decode->encode
-    gives its ids back; a model may emit ids a fresh encode merges differently,
-    and no text-based rebuild can recover those, so exactness is judged on the
-    canonical samples, where it must be 1.0.
+    gives its ids back, both as a whole (no special string written as text,
+    which a text split could take for the token) and field by field
+    (``profile.reencode``: every special id where the layout has room for it).
+    A model may emit ids a fresh encode merges differently, or a special token
+    where the text of that field reads it as text; no text-based rebuild can
+    recover those, so exactness is judged on the canonical samples, where it
+    must be 1.0.
     """
     n = canonical = exact = exact_canonical = 0
     readings_used: Counter[str] = Counter()
@@ -223,7 +256,7 @@ def oracle_report(profile: Profile, samples: list[dict[str, Any]], max_examples:
             if ids and ids[-1] == profile.eot_id and not text.endswith(profile.eot_text):
                 text += profile.eot_text  # vLLM leaves the stop token's text out of ``text``
             text_mismatch += text != decoded
-        is_canonical = profile.encode(decoded) == ids
+        is_canonical = profile.encode(decoded) == ids and profile.reencode(ids, thinking) == ids
         completion = profile.split_text(text, thinking)
         completion.completion_tokens = len(ids)
         rebuilt = rebuild_ids(profile, completion, thinking)

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
 class TextTokenizer(Protocol):
-    """The two operations the pipeline needs from any tokenizer backend."""
+    """The two operations the pipeline needs from any tokenizer backend.
+
+    Backends that also have ``encode_ordinary`` and take ``encode(text, specials)`` (both in
+    tokenizers.py do) can treat special-token strings as ordinary text; see ``Profile.encode``.
+    """
 
     def encode(self, text: str) -> list[int]:
         """Ids for text; special-token strings inside it become their special ids."""
@@ -79,8 +84,15 @@ class Profile(ABC):
     template_vars: dict[str, Any] = field(default_factory=dict)
 
     # -- tokens -----------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, specials: Collection[str] | None = None) -> list[int]:
+        """Ids for text. ``specials``: the special-token strings that become their ids; any other is text.
+
+        None honours every special string (prompts; the behaviour before fields had rules). A
+        backend without ``encode_ordinary`` honours every one whatever is asked.
+        """
+        if specials is None or not hasattr(self.tokenizer, "encode_ordinary"):
+            return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, specials)  # type: ignore[call-arg]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids))
@@ -100,10 +112,47 @@ class Profile(ABC):
     def tool_section_begin_text(self) -> str:
         return self.decode([self.tool_section_begin_id])
 
-    def normalize(self, text: str) -> str:
-        """The text that ``decode(encode(text))`` gives back (Qwen applies NFC; others change nothing)."""
+    def normalize(self, text: str, specials: Collection[str] | None = None) -> str:
+        """What ``decode(encode(text, specials))`` gives back (Qwen applies NFC; others change nothing)."""
         norm = getattr(self.tokenizer, "normalize", None)
-        return norm(text) if norm else text
+        if not norm:
+            return text
+        if specials is None or not hasattr(self.tokenizer, "encode_ordinary"):
+            return norm(text)
+        return norm(text, specials)
+
+    # -- which special tokens can occur where -------------------------------
+    # A response is REASONING [</think>] CONTENT [tool-call section] [end of turn]. A provider's
+    # reasoning parser cuts at the real </think> (or, where the profile says so, at the real opening
+    # of a tool-call section), and the end-of-turn token ends the generation. So a special-token
+    # string inside a field is the token only where that token can occur in that field; anywhere
+    # else the model wrote it as text (discussing its own format, say) and it is encoded as text.
+
+    @property
+    def tool_marker_texts(self) -> frozenset[str]:
+        """The strings of every tool-call marker, section begin and end included."""
+        ids = set(self.tool_marker_ids) | {self.tool_section_begin_id, self.tool_section_end_id}
+        return frozenset(self.decode([i]) for i in ids)
+
+    @property
+    def reasoning_specials(self) -> frozenset[str]:
+        """Special strings that are real inside reasoning a parser split off.
+
+        Never ``</think>`` (the parser cut at the first one) nor the end of turn. Tool-call
+        markers only where a tool-call section does not end reasoning: where it does, a real
+        section would have ended the reasoning field before its markers.
+        """
+        return frozenset() if self.tool_section_ends_reasoning else self.tool_marker_texts
+
+    @property
+    def content_specials(self) -> frozenset[str]:
+        """Special strings that are real inside content: the tool-call markers.
+
+        With no tools sent (or a tool parser that failed) a call comes back as raw markers
+        in content. ``</think>`` is real there only when no reasoning parser ran (reasoning
+        is None, thinking on): reconstruction cuts such content at its first ``</think>``.
+        """
+        return self.tool_marker_texts
 
     # -- prompts ----------------------------------------------------------
     def render_prompt(
@@ -197,10 +246,63 @@ class Profile(ABC):
         return Completion(reasoning=reasoning, content=content, tool_calls=tool_calls, finish_reason=finish)
 
     def split_ids(self, ids: list[int], thinking: bool) -> Completion:
-        """Split engine output ids into the API shape (decode, then parse as a server does)."""
-        completion = self.split_text(self.decode(ids), thinking)
-        completion.completion_tokens = len(ids)
-        return completion
+        """Split engine output ids into the API shape, cutting at the real tokens as a server's parsers do.
+
+        The same split as ``split_text(decode(ids))`` (end of turn, ``</think>``, the implicit end
+        of reasoning, a tool-call section that renders back verbatim), made on the ids: a special
+        string the model wrote as text inside its reasoning or content stays there as text.
+        """
+        body, finish = list(ids), "stop"
+        if body and body[-1] == self.eot_id:
+            body = body[:-1]
+        else:
+            finish = "length"
+        reasoning: str | None = None
+        if thinking:
+            cut = self._reasoning_end(body)
+            reasoning = self.decode(body[:cut])
+            body = body[cut + 1:] if cut < len(body) and body[cut] == self.think_end_id else body[cut:]
+        content, tool_calls = self.decode(body), None
+        if self.tool_section_begin_id in body:
+            cut = body.index(self.tool_section_begin_id)
+            try:
+                tool_calls = self.parse_tool_section_exactly(self.decode(body[cut:]))
+                content = self.decode(body[:cut])
+                finish = "tool_calls" if finish == "stop" else finish
+            except ValueError:
+                tool_calls = None
+        return Completion(reasoning=reasoning, content=content, tool_calls=tool_calls, finish_reason=finish,
+                          completion_tokens=len(ids))
+
+    def _reasoning_end(self, body: list[int]) -> int:
+        """Where reasoning ends in response ids (end of turn removed): the first ``</think>``, else the
+        first section begin where that ends reasoning, else the end."""
+        if self.think_end_id in body:
+            return body.index(self.think_end_id)
+        if self.tool_section_ends_reasoning and self.tool_section_begin_id in body:
+            return body.index(self.tool_section_begin_id)
+        return len(body)
+
+    def reencode(self, ids: list[int], thinking: bool) -> list[int]:
+        """The ids a text rebuild gives for these ids' own fields: equal to ``ids`` when they are canonical.
+
+        The ids are cut into reasoning and content at the real tokens (as ``split_ids`` does), each
+        field's decoded text is encoded with the special strings that field can hold, and the cut
+        tokens are put back. A special id where the layout has no room for it (a second ``</think>``,
+        a role header) comes back as text; ids BPE would merge differently come back merged.
+        """
+        body, tail = list(ids), []
+        if body and body[-1] == self.eot_id:
+            body, tail = body[:-1], [self.eot_id]
+        out: list[int] = []
+        if thinking:
+            cut = self._reasoning_end(body)
+            out += self.encode(self.decode(body[:cut]), self.reasoning_specials)
+            if cut < len(body) and body[cut] == self.think_end_id:
+                out.append(self.think_end_id)
+                cut += 1
+            body = body[cut:]
+        return out + self.encode(self.decode(body), self.content_specials) + tail
 
 
 def tool_call(name: str, arguments: Any, call_id: str) -> dict[str, Any]:

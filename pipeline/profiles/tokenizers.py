@@ -37,10 +37,7 @@ def special_splitter(specials: frozenset[str]) -> re.Pattern[str] | None:
 def encode_honouring(text: str, specials: Collection[str], ids_of: Mapping[str, int],
                      ordinary: Callable[[str], list[int]]) -> list[int]:
     """Cut ``text`` at the special strings in ``specials`` (their ids), the pieces between as ordinary text."""
-    unknown = [t for t in specials if t not in ids_of]
-    if unknown:
-        raise KeyError(f"not special tokens of this tokenizer: {sorted(unknown)[:3]}")
-    splitter = special_splitter(frozenset(specials))
+    splitter = special_splitter(frozenset(specials))  # a string not in ids_of raises KeyError where it occurs
     if splitter is None:
         return ordinary(text) if text else []
     ids: list[int] = []
@@ -168,8 +165,7 @@ class TiktokenTokenizer:
         )
         self._special = dict(special_tokens)
         self._special_by_id = {i: t for t, i in self._special.items()}
-        # Longest first, so a special string that is a prefix of another never wins.
-        self._special_re = special_splitter(frozenset(self._special))
+        self._all_specials = frozenset(self._special)
         self._nfc = nfc
         self._max_run = max_run
         self.n_base = len(ranks)
@@ -187,7 +183,7 @@ class TiktokenTokenizer:
 
     def encode(self, text: str, specials: Collection[str] | None = None) -> list[int]:
         """Ids for text; ``specials`` limits which special strings are cut out as their ids (None: all)."""
-        return encode_honouring(text, self._special if specials is None else specials, self._special,
+        return encode_honouring(text, self._all_specials if specials is None else specials, self._special,
                                 self._encode_piece)
 
     def encode_ordinary(self, text: str) -> list[int]:
@@ -209,5 +205,5 @@ class TiktokenTokenizer:
         """The text that decoding this tokenizer's encoding of ``text`` gives back (``specials`` as for encode)."""
         if not self._nfc:
             return text
-        return normalize_honouring(text, self._special if specials is None else specials,
+        return normalize_honouring(text, self._all_specials if specials is None else specials,
                                    lambda t: unicodedata.normalize("NFC", t))

@@ -125,6 +125,7 @@ class HttpEngine:
         self._exclude_list: list[str] = list(cfg.exclude_providers)
         self.journal = journal
         self.replay = dict(replay or {})  # sample id -> a response journaled (paid) by an earlier attempt
+        self._answered = False  # the API answered something other than a transient failure (it is up)
         self.circuit = Circuit(cfg.circuit_failures, cfg.circuit_cooldown_s, cfg.circuit_max_cooldown_s,
                                cfg.circuit_give_up_s)
         self.stats = {"requests": 0, "retries": 0, "replayed": 0, OK: 0, QUARANTINED: 0, NOT_GENERATED: 0}
@@ -203,11 +204,13 @@ class HttpEngine:
                 continue
             if attempt.reply is not None:
                 self.circuit.record(True, time.monotonic())
+                self._answered = True
                 return self._sample(row, attempt, attempts, thinking)
             last = attempt.failure
             assert last is not None
             cls = last.failure_class
             self.circuit.record(cls != "transient", time.monotonic(), self.redact(last.describe()))
+            self._answered |= cls != "transient"
             if cls == "account":
                 reason = self.redact(f"{_account_problem(last.status)} ({last.describe()})")
                 await self.ledger.halt(reason)
@@ -368,9 +371,11 @@ class HttpEngine:
         return self._base(row, NOT_GENERATED, reason, attempts, failure_class)
 
     def _gave_up(self, row: dict[str, Any], attempts: int, reason: str, digest: str) -> dict[str, Any]:
-        """Transient failures outlasted this run's retries: left to do, and the give-up journaled (counted
-        across runs: after ``transient_runs`` of them the driver quarantines the prompt)."""
-        self._journal(row, digest, "gave_up", attempts, error=reason)
+        """Transient failures outlasted this run's retries: left to do. The give-up is journaled (counted across
+        runs: after ``transient_runs`` of them the driver quarantines the prompt) only when the API was
+        answering other prompts meanwhile: an outage says nothing about this prompt."""
+        if self._answered and not self.circuit.is_open:
+            self._journal(row, digest, "gave_up", attempts, error=reason)
         return self._not_generated(row, attempts, reason)
 
     def _budget_spent(self, dataset: str) -> str:

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -339,27 +339,23 @@ def billed_by_dataset(folder: str | Path, source: str) -> dict[str, int]:
     The provider billed them whether or not a sample was written. A record
     journaled twice under one ``generation_id`` counts once.
     """
-    totals: dict[str, int] = {}
-    seen: set[str] = set()
-    for rec in _records(folder, source):
-        if rec.generation_id:
-            if rec.generation_id in seen:
-                continue
-            seen.add(rec.generation_id)
-        totals[rec.dataset] = totals.get(rec.dataset, 0) + rec.charged
-    return totals
+    return _per_dataset(folder, source, lambda rec: rec.charged, 0)
 
 
 def cost_by_dataset(folder: str | Path, source: str) -> dict[str, float]:
     """Reported cost per dataset, counted like :func:`billed_by_dataset` (for ``Ledger.restore``)."""
-    totals: dict[str, float] = {}
+    return _per_dataset(folder, source, lambda rec: float(rec.cost or 0.0), 0.0)
+
+
+def _per_dataset(folder: str | Path, source: str, value: Callable[[Record], Any], zero: Any) -> dict[str, Any]:
+    totals: dict[str, Any] = {}
     seen: set[str] = set()
     for rec in _records(folder, source):
         if rec.generation_id:
             if rec.generation_id in seen:
                 continue
             seen.add(rec.generation_id)
-        totals[rec.dataset] = totals.get(rec.dataset, 0.0) + float(rec.cost or 0.0)
+        totals[rec.dataset] = totals.get(rec.dataset, zero) + value(rec)
     return totals
 
 

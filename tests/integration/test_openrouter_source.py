@@ -366,3 +366,37 @@ def test_the_http_session_is_closed_when_the_actor_goes_idle(profile, caplog):
     gc.collect()
     assert {r["status"] for r in out} == {"ok"}
     assert "Unclosed client session" not in caplog.text
+
+
+def test_a_prompt_that_keeps_failing_is_quarantined_after_transient_runs_runs(profile, tmp_path):
+    """Out of retries on transient failures while the API answers other prompts: left to do, with a give-up
+    journaled; after ``transient_runs`` such runs the driver quarantines the prompt at read time. Prompts
+    that failed because the whole API was down journal nothing (an outage says nothing about them)."""
+    import socket
+
+    from pipeline.config import RunConfig
+    from pipeline.layout import RunLayout
+    from pipeline.run import worn_out
+
+    rows = prompt_rows(8, markers={2: "always-502"})
+    with serve_in_thread(ServerConfig(seed=6), CannedBackend(2, profile)) as (url, _server):
+        cfg = source_cfg(url, api_key_required=False, max_attempts=2, transient_runs=2)
+        for _ in range(2):
+            gen = OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg), output_dir=str(tmp_path))
+            out = {r["sample_id"]: r for r in run_local(gen, rows)}
+            assert out["d:2"]["status"] == "not_generated" and out["d:2"]["failure_class"] == "transient"
+    run_cfg = RunConfig(output_dir=str(tmp_path), model={"profile": "deepseek"},
+                        datasets=[{"name": "d", "path": "d.jsonl"}], sources=[cfg])
+    assert set(worn_out(run_cfg, RunLayout(tmp_path))) == {"d:2"}
+    assert "transient failures in 2 runs" in worn_out(run_cfg, RunLayout(tmp_path))["d:2"]["reason"]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = source_cfg(f"http://127.0.0.1:{port}/api/v1", api_key_required=False, max_attempts=2, transient_runs=1)
+    for _ in range(2):
+        run_local(OpenRouterGenerator(down, "deepseek", None, local_ledger(down), output_dir=str(tmp_path / "x")),
+                  prompt_rows(4, "e"))
+    down_cfg = run_cfg.model_copy(update={"sources": [down], "datasets": [run_cfg.datasets[0].model_copy(
+        update={"name": "e"})]})
+    assert worn_out(down_cfg, RunLayout(tmp_path / "x")) == {}
