@@ -33,6 +33,7 @@ EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_LEFT_TO_DO = 0, 1, 2, 3
 
 def _run(args: argparse.Namespace) -> int:
     from pipeline.config import ConfigError
+    from pipeline.console import Console
     from pipeline.datasets import DatasetError
     from pipeline.manifest import ManifestMismatch
     from pipeline.run import run
@@ -42,7 +43,8 @@ def _run(args: argparse.Namespace) -> int:
     if cfg is None:
         return EXIT_REFUSED
     try:
-        report = run(cfg)
+        # the run's own lines on the console; vLLM, Ray, transformers, torch and the rest in OUTPUT/logs/
+        report = run(cfg, Console.for_cli(verbose=args.verbose, title=args.config))
     except ManifestMismatch as e:
         print(f"refusing to resume: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -70,6 +72,9 @@ def _check(args: argparse.Namespace) -> int:
         return 2
     print(f"{args.config}: ok — {len(cfg.datasets)} datasets, sources "
           f"{[f'{s.kind}:{s.name}' for s in cfg.sources]}, output {cfg.output_dir}")
+    from pipeline.sizing import sizing_note
+
+    print(sizing_note(cfg.model, cfg.extraction))
     return 0
 
 
@@ -116,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="run the pipeline from a YAML config")
     p.add_argument("config")
     p.add_argument("--output-dir", help="override output_dir from the config")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print every log (vLLM, Ray, transformers, torch, the pipeline's own) on the console; "
+                        "they always go to OUTPUT/logs/")
     p.set_defaults(fn=_run)
     p = sub.add_parser("check", help="validate a config without running anything")
     p.add_argument("config")

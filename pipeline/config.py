@@ -32,6 +32,9 @@ class ModelConfig(Strict):
     # Which tiny target: "well-formed" behaves like a trained reasoning model (a clean run passes every
     # check); "wild" writes </think>, end-of-turn and tool markers at random (the checks' hard cases).
     tiny_variant: Literal["well-formed", "wild"] = "well-formed"
+    # Size of the target's weights in GB (10^9 bytes), for the extraction sizing check made away from the
+    # weights (`check --no-paths`); a readable model folder's checkpoint index wins (pipeline.sizing).
+    weights_gb: float | None = Field(None, gt=0)
 
     @field_validator("profile")
     @classmethod
@@ -59,7 +62,9 @@ class ChecksConfig(Strict):
     roundtrip: CheckMode = "flag"
     # Rebuilt ids that do not re-encode mean the rebuild or tokenizer is broken: quarantine.
     roundtrip_rebuilt: CheckMode = "quarantine"
-    billing: CheckMode = "flag"
+    # Only rebuilt ids are billed (engines bill nothing): ids that cannot account for the bill,
+    # over both thresholds below, are not trustworthy training data.
+    billing: CheckMode = "quarantine"
     tool_semantics: CheckMode = "quarantine"
     empty_content: CheckMode = "flag"
     truncated: CheckMode = "flag"
@@ -113,6 +118,9 @@ class EngineSourceConfig(Strict):
     max_model_len: int = Field(4096, gt=0)
     on_error: Literal["quarantine", "raise"] = "quarantine"  # raise: let Ray retry the batch
     isolate_errors: bool = True  # retry a failed batch one row at a time so one bad prompt fails alone
+    # Custom Ray resources the actor needs in all (e.g. {h200: 8} to stay on cluster.yaml's H200 nodes);
+    # with TP > 1 in a placement group they are split evenly over its TP bundles.
+    resources: dict[str, float] = Field(default_factory=dict)
 
 
 class VLLMSourceConfig(EngineSourceConfig):
@@ -170,6 +178,24 @@ class ExtractionConfig(Strict):
     num_actors: int = 1
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    # backend vllm on GPUs: TP > 1 places each actor like a vLLM source's (pipeline.sources.chain): a
+    # placement group of TP one-GPU bundles on one node, filled by the engine's Ray TP workers
+    tensor_parallel_size: int = Field(1, gt=0)
+    resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources, as for engine sources
+    # memory of one GPU in GB (10^9 bytes) for the sizing check (pipeline.sizing): 141 = H200, 80 = H100
+    gpu_memory_gb: float = Field(141.0, gt=0)
+
+    @model_validator(mode="after")
+    def _parallelism(self) -> ExtractionConfig:
+        if "tensor_parallel_size" in self.vllm:
+            raise ValueError("set extraction.tensor_parallel_size (it also sizes the actor's placement group), "
+                             "not extraction.vllm.tensor_parallel_size")
+        if self.tensor_parallel_size > 1 and self.backend != "vllm":
+            raise ValueError(f"extraction.tensor_parallel_size {self.tensor_parallel_size} needs backend vllm "
+                             f"(backend {self.backend} spreads a model with device_map: auto instead)")
+        if self.tensor_parallel_size > 1 and self.num_gpus <= 0:
+            raise ValueError(f"extraction.tensor_parallel_size {self.tensor_parallel_size} needs num_gpus > 0")
+        return self
 
 
 class RayConfig(Strict):
@@ -352,7 +378,20 @@ class RunConfig(Strict):
                              f"extraction.aux_layer_ids {self.extraction.aux_layer_ids}")
         if self.model.path is None and self.model.build_tiny:
             raise ValueError("model.build_tiny needs model.path")
+        ex = self.extraction
+        if ex.tensor_parallel_size > 1 and ex.mode == "stream" and self.training and not self.training.materialize:
+            # each epoch's pass would start new engine actors in new placement groups, released only at the end
+            raise ValueError(f"extraction.tensor_parallel_size {ex.tensor_parallel_size} with mode stream and "
+                             "training.materialize false re-runs the engine extraction every epoch, each time in "
+                             "new placement groups: use extraction.mode shards (one pass; epochs read the "
+                             "shards) or training.materialize true")
         return self
+
+    def sizing_misfit(self) -> str | None:
+        """Why the extraction actor cannot hold the target's weights, or None (see pipeline.sizing)."""
+        from pipeline.sizing import extraction_misfit
+
+        return extraction_misfit(self.model, self.extraction)
 
 
 class ConfigError(ValueError):
@@ -368,6 +407,8 @@ def load_config(path: str | Path, *, base_dir: str | Path | None = None, check_p
     """Load and validate a run config. Relative paths resolve against ``base_dir`` (default: cwd).
 
     ``check_paths=False`` validates the schema only, for a cluster config checked away from its cluster.
+    Either way the extraction sizing check runs (pipeline.sizing): on the model folder's checkpoint index
+    when the folder can be read, else on ``model.weights_gb``.
     """
     path = Path(path)
     if not path.is_file():
@@ -402,4 +443,6 @@ def load_config(path: str | Path, *, base_dir: str | Path | None = None, check_p
             raise ConfigError(f"{path}: dataset {d.name!r}: file not found: {d.path}")
         if not d.path.endswith((".jsonl", ".json", ".parquet")):
             raise ConfigError(f"{path}: dataset {d.name!r}: expected a .jsonl, .json or .parquet file: {d.path}")
+    if misfit := cfg.sizing_misfit():  # after paths resolve: the model folder's checkpoint index is read
+        raise ConfigError(f"{path}: {misfit}")
     return cfg

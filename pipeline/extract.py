@@ -587,6 +587,16 @@ class VLLMStateCapture:
             **{"enforce_eager": True, **engine_kwargs},
         )
 
+    def __del__(self) -> None:
+        # As pipeline.sources.engine.EngineSource.__del__: stop the engine while the actor is whole, so its
+        # shared memory is unlinked before Ray kills the actor's children (the resource tracker among them).
+        core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        try:
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+        except Exception:
+            pass
+
     def __call__(self, seqs: list[list[int]], groups: list[list[int]]) -> Iterator[Captured]:
         """One engine call for all sequences (the engine batches by its own token budget); one
         ``Captured`` per sequence so rows need no padding."""

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 
-from pipeline.config import RunConfig
+from pipeline.config import ExtractionConfig, RunConfig
+from pipeline.console import Console, ExtractWatch, TrainWatch, heldout_line
 from pipeline.layout import RunLayout
 from pipeline.report import Timings
 
@@ -43,8 +45,14 @@ class Handoff:
 
     def extractor_kwargs(self) -> dict[str, Any]:
         ex = self.cfg.extraction
-        return {"backend": ex.backend, "dtype": ex.dtype, "device_map": ex.device_map, "vllm_options": ex.vllm,
+        vllm = dict(ex.vllm)
+        if ex.tensor_parallel_size > 1:  # workers as Ray tasks in the actor's placement group (extraction_resources)
+            vllm |= {"tensor_parallel_size": ex.tensor_parallel_size, "distributed_executor_backend": "ray"}
+        return {"backend": ex.backend, "dtype": ex.dtype, "device_map": ex.device_map, "vllm_options": vllm,
                 "stats_dir": str(self.layout.extract_stats)}
+
+    def resources(self) -> dict[str, Any]:
+        return extraction_resources(self.cfg.extraction)
 
     def split(self, rows: Any, keep_heldout: bool) -> Any:
         """Only the held-out rows (at most ``heldout_max_samples``, for evaluation), or all the others."""
@@ -74,7 +82,7 @@ class Handoff:
                                  str(self.layout.quarantine)),
             fn_constructor_kwargs=self.extractor_kwargs() | {"out_dtype": ex.shard_dtype},
             batch_format="pyarrow", batch_size=ex.rows_per_call,
-            compute=ray.data.ActorPoolStrategy(size=ex.num_actors), num_cpus=ex.num_cpus, num_gpus=ex.num_gpus,
+            compute=ray.data.ActorPoolStrategy(size=ex.num_actors), **self.resources(),
         )
 
     def write_shards(self) -> None:
@@ -86,7 +94,33 @@ class Handoff:
                           max_len=ex.max_len, too_long=ex.too_long, batch_tokens=ex.batch_tokens,
                           quarantine_dir=lay.quarantine, samples_per_shard=ex.samples_per_shard,
                           rows_per_call=ex.rows_per_call, dtype=ex.shard_dtype, num_actors=ex.num_actors,
-                          num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=self.extractor_kwargs())
+                          num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=self.extractor_kwargs(),
+                          ray_resources=self.resources())
+
+
+def extraction_resources(ex: ExtractionConfig) -> dict[str, Any]:
+    """``map_batches`` resources of an extraction actor. An engine backend with TP > 1 (validated: vllm on
+    GPUs) is placed like a vLLM source's actor: no GPU itself, a placement group of TP one-GPU bundles on
+    one node that the engine's Ray workers fill (pipeline.sources.chain). Otherwise the actor holds
+    ``num_cpus``/``num_gpus`` (a fraction of a GPU too) itself."""
+    if ex.tensor_parallel_size > 1:
+        from pipeline.sources.chain import engine_resources
+
+        return engine_resources(ex)
+    return {"num_cpus": ex.num_cpus, "num_gpus": ex.num_gpus, **({"resources": dict(ex.resources)} if ex.resources
+                                                                  else {})}
+
+
+@contextmanager
+def placement_groups_released() -> Iterator[None]:
+    """The placement groups an extraction pass made outlive its actors: remove them when the pass ends, so
+    the next pass (held-out evaluation) finds the GPUs free."""
+    try:
+        yield
+    finally:
+        from pipeline.sources.chain import release_placement_groups
+
+        release_placement_groups()
 
 
 def skip_reason(cfg: RunConfig, layout: RunLayout) -> str | None:
@@ -97,8 +131,10 @@ def skip_reason(cfg: RunConfig, layout: RunLayout) -> str | None:
     return None
 
 
-def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings) -> dict[str, Any]:
-    """Extract hidden states, train the drafter on them, export it, and measure it on held-out samples."""
+def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
+                      console: Console | None = None) -> dict[str, Any]:
+    """Extract hidden states, train the drafter on them, export it, and measure it on held-out samples; each
+    step shows its progress on ``console``."""
     from transformers import AutoConfig
 
     from pipeline.extract import bytes_per_token, read_extract_stats
@@ -106,6 +142,7 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings) -> di
 
     if reason := skip_reason(cfg, layout):
         return {"skipped": reason}
+    console = console or Console()
     tcfg, ex = cfg.training, cfg.extraction
     target_cfg = AutoConfig.from_pretrained(cfg.model.path)
     aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg.num_hidden_layers)
@@ -114,12 +151,14 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings) -> di
                               "bytes_per_token": bytes_per_token(target_cfg.hidden_size, len(aux_ids))}
     if ex.mode == "shards":
         t0 = time.perf_counter()
-        h.write_shards()
+        with placement_groups_released(), console.phase(ExtractWatch(layout.extract_stats, None).line):
+            h.write_shards()
         timings.add("extract", t0)
     rows = h.hidden_rows(keep_heldout=False)
     t0 = time.perf_counter()
     if tcfg is None:
-        result["extracted"] = rows.count()
+        with placement_groups_released():
+            result["extracted"] = rows.count()
         timings.add("read_shards", t0)
     else:
         from training.heldout import heldout_acceptance
@@ -128,19 +167,40 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings) -> di
         # counted from the samples, not the stream: counting the stream would run the extraction once more
         vocab = draft_vocab_from_samples(layout, target_cfg.vocab_size, tcfg.draft_vocab_size, ex.max_len,
                                          ex.too_long, h.heldout) if ex.mode == "stream" else None
-        res = train_drafter(rows, tcfg.model_copy(update={"aux_layer_ids": aux_ids}), cfg.model.path,
-                            layout.drafter, vocab=vocab)
+        # a materialized stream is extracted whole before the first step; otherwise extraction runs alongside
+        feeding = ExtractWatch(layout.extract_stats, training_samples(layout, h.heldout)) \
+            if ex.mode == "stream" and tcfg.materialize else None
+        with placement_groups_released(), console.phase(TrainWatch(layout.metrics, tcfg.steps, feeding).lines):
+            res = train_drafter(rows, tcfg.model_copy(update={"aux_layer_ids": aux_ids}), cfg.model.path,
+                                layout.drafter, vocab=vocab)
         timings.add("extract+train" if ex.mode == "stream" else "train", t0)
         result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
                       metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
         if h.heldout:
             t0 = time.perf_counter()
-            # stream mode: a second, small extraction pass (one more engine start-up); shards: a re-read
-            held = h.hidden_rows(keep_heldout=True).take_all()
-            result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held, tcfg.eval_k)
+            watch = ExtractWatch(layout.extract_stats, None, label="held-out")
+
+            def held_line(final: bool) -> str:
+                if final and "heldout" in result:
+                    return heldout_line(result["heldout"], time.perf_counter() - t0)
+                return watch.line() if ex.mode == "stream" else "[held-out] measuring the drafter"
+
+            with console.phase(held_line):
+                # stream mode: a second, small extraction pass (one more engine start-up); shards: a re-read
+                with placement_groups_released():
+                    held = h.hidden_rows(keep_heldout=True).take_all()
+                result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held, tcfg.eval_k)
             timings.add("heldout_eval", t0)
     result["extraction"] = read_extract_stats(layout.extract_stats) if layout.extract_stats.exists() else {}
     return result
+
+
+def training_samples(layout: RunLayout, heldout_fraction: float) -> int:
+    """Passed samples that reach training (the held-out ones excepted): what a streamed extraction will do."""
+    from training.heldout import is_held_out
+
+    return sum(not is_held_out(sid, heldout_fraction) for f in sorted(layout.samples.glob("*.parquet"))
+               for sid in pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist())
 
 
 def draft_vocab_from_samples(layout: RunLayout, vocab_size: int, draft_vocab_size: int, max_len: int,

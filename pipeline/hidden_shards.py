@@ -316,12 +316,15 @@ def extract_to_shards(samples_dir: str | Path, out_dir: str | Path, *, model_dir
                       max_len: int, too_long: str, batch_tokens: int, quarantine_dir: str | Path,
                       samples_per_shard: int = 64, rows_per_call: int = 64, dtype: str = "float32",
                       num_actors: int = 1, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                      extractor_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                      extractor_kwargs: dict[str, Any] | None = None,
+                      ray_resources: dict[str, Any] | None = None) -> dict[str, Any]:
     """Samples parquet -> extraction actors -> shard writer; resumable. Returns the index summary.
 
     Samples already in complete shards, or quarantined by an earlier extraction, are filtered
     out before the target runs.
     ``dtype=bfloat16`` halves the bytes (lossless for states captured in bf16 on GPU).
+    ``ray_resources`` (``map_batches`` resource arguments, e.g. a TP engine's placement group; see
+    pipeline.handoff.extraction_resources) replace ``num_cpus``/``num_gpus`` when given.
     """
     import pyarrow.compute as pc
     import ray.data
@@ -350,7 +353,8 @@ def extract_to_shards(samples_dir: str | Path, out_dir: str | Path, *, model_dir
         HiddenStateExtractor,
         fn_constructor_args=(model_dir, aux_layer_ids, max_len, too_long, batch_tokens, str(quarantine_dir)),
         fn_constructor_kwargs=kwargs, batch_format="pyarrow", batch_size=rows_per_call,
-        compute=ray.data.ActorPoolStrategy(size=num_actors), num_cpus=num_cpus, num_gpus=num_gpus,
+        compute=ray.data.ActorPoolStrategy(size=num_actors),
+        **(ray_resources or {"num_cpus": num_cpus, "num_gpus": num_gpus}),
     )
     ds = ds.map_batches(WriteHiddenShards, fn_constructor_args=(str(out), meta), batch_size=samples_per_shard,
                         batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0)

@@ -74,6 +74,16 @@ class RunLayout:
         return self.root / "report.json"
 
     @property
+    def report_html(self) -> Path:
+        """The run report as a page with figures (pipeline.report_html)."""
+        return self.root / "report.html"
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files of the drafter's training (training.trackers)."""
+        return self.drafter / "tensorboard"
+
+    @property
     def manifest(self) -> Path:
         return self.root / "manifest.json"
 

@@ -1,7 +1,7 @@
 """The run report: figures folded from the rows as they stream out, then summed over the folder.
 
-``Tally`` counts this attempt's rows as they leave the chain (and prints a status
-line now and then); ``summarize`` adds what the output folder holds over every
+``Tally`` counts this attempt's rows as they leave the chain (the console's
+generation line reads its ``snapshot``); ``summarize`` adds what the output folder holds over every
 attempt; ``format_report`` is what the console shows at the end.
 """
 
@@ -15,8 +15,10 @@ from typing import Any
 
 from pipeline.audit import AuditAccumulator, summary_lines
 from pipeline.config import ChecksConfig, DatasetConfig
+from pipeline.console import GenerateSnapshot
 from pipeline.layout import RunLayout
 from pipeline.records import read_rows
+from pipeline.throughput import record as record_throughput
 from pipeline.validate import Verdict
 
 
@@ -40,23 +42,25 @@ def audit_for(datasets: list[DatasetConfig]) -> AuditAccumulator:
 class Tally:
     """Folds per-sample summaries as they stream out of the pipeline: counts, audit figures, spend.
 
-    Prints a one-line status every few seconds that stays readable in `ray job logs`.
+    ``progress`` keeps ``snapshot``, the figures the console's generation line shows (pipeline.console; read
+    from its ticker thread, so it is replaced whole, never changed in place).
     """
 
-    def __init__(self, total: int, audit: AuditAccumulator, every_s: float = 10.0) -> None:
-        self.total, self.every_s = total, every_s
+    def __init__(self, total: int, audit: AuditAccumulator) -> None:
+        self.total = total
         self.status: Counter = Counter()
         self.audit = audit
         self.tokens = 0
         self.cost = 0.0
-        self.t0 = self.last = time.perf_counter()
-        self.printed = -1
+        self.t0 = time.perf_counter()
+        self.snapshot = GenerateSnapshot(0, total, 0, 0, 0, 0, 0.0, 0.0)
         self.start_errors: dict[str, str] = {}  # source -> why its engine did not start
         self.served: Counter = Counter()  # source -> samples it generated (this attempt)
         self.spilled: Counter = Counter()  # local source -> its prompts an overflow source took past the deadline
         self.left: Counter = Counter()  # (source, why) -> prompts left not generated (a re-run does them)
         self.requests: Counter = Counter()  # source -> requests sent for the rows (HTTP sources; retries included)
         self.asked: Counter = Counter()  # source -> rows it sent at least one request for
+        self.series: list[dict[str, Any]] = []  # throughput snapshots over time (pipeline.throughput)
 
     @property
     def done(self) -> int:
@@ -89,14 +93,9 @@ class Tally:
 
     def progress(self, final: bool = False) -> None:
         now = time.perf_counter()
-        if (not final and now - self.last < self.every_s) or self.done == self.printed:
-            return
-        self.last, self.printed = now, self.done
-        rate = self.done / max(now - self.t0, 1e-9)
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        print(f"[generate] {self.done}/{self.total} done, {self.status['quarantine']} quarantined, "
-              f"{self.status['not_generated']} not generated, {self.tokens} tokens, ${self.cost:.4f}, "
-              f"{rate:.2f} samples/s, ETA {eta:.0f}s", flush=True)
+        record_throughput(self.series, now - self.t0, self.done, self.tokens, self.served, final=final)
+        self.snapshot = GenerateSnapshot(self.done, self.total, self.status["ok"], self.status["quarantine"],
+                                         self.status["not_generated"], self.tokens, self.cost, now - self.t0)
 
 
 def summarize(tally: Tally, counts: Counter, layout: RunLayout) -> dict[str, Any]:
@@ -166,7 +165,7 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         "a re-run does them)",
         f"  flagged      {r['flagged']}",
         f"  tokens generated {r['tokens_generated']}, spend ${r['this_attempt']['cost_usd']:.4f}",
-        f"  throughput   {r['throughput']}",
+        f"  throughput   { {k: v for k, v in r['throughput'].items() if k != 'series'} }",
         f"  seconds      {r['seconds']}",
     ]
     if r["audit"]["samples"]:

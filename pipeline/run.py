@@ -12,16 +12,28 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
 
 from pipeline.config import RunConfig
+from pipeline.console import (
+    Console,
+    GenerateSnapshot,
+    describe_source,
+    duration,
+    generate_line,
+    header_lines,
+    read_spend,
+)
 from pipeline.datasets import load_dataset
 from pipeline.handoff import extract_and_train
 from pipeline.layout import RunLayout, atomic_write_json, atomic_write_table
 from pipeline.manifest import check_or_write_manifest
+from pipeline.publish import publish_report
 from pipeline.records import QUARANTINE_SCHEMA, quarantine_row, read_rows
 from pipeline.report import Tally, Timings, audit_for, format_report, ledger_report, source_report, summarize
 from pipeline.run_lock import RunLock
@@ -32,19 +44,29 @@ from pipeline.validate import assert_conservation
 log = logging.getLogger("pipeline")
 
 
-def run(cfg: RunConfig) -> dict[str, Any]:
+def run(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     """Run the whole job and return its report (also written to OUTPUT/report.json).
 
     One writer per output folder: a second driver on the same folder stops here (``LockHeld``) before
-    anything starts or is spent.
+    anything starts or is spent. ``console`` shows the header, each phase's progress and the report (default:
+    plain lines on stdout); one made by ``Console.for_cli`` also sends every log to ``OUTPUT/logs/``.
     """
     layout = RunLayout(cfg.output_dir)
     prepare_output(layout)
-    with RunLock.for_folder(layout.root):
-        return _run(cfg, layout)
+    console = console or Console()
+    with RunLock.for_folder(layout.root), run_logs(layout, console):
+        return _run(cfg, layout, console)
 
 
-def _run(cfg: RunConfig, layout: RunLayout) -> dict[str, Any]:
+def run_logs(layout: RunLayout, console: Console) -> AbstractContextManager[Any]:
+    """Logs to ``OUTPUT/logs/`` (pipeline.logs) for a console that asks for it (the CLI's), after the lock: a
+    refused second driver must not write into the logs of the run that holds the folder."""
+    from pipeline.logs import capture
+
+    return capture(layout.logs, verbose=console.verbose, console=console) if console.capture else nullcontext()
+
+
+def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     timings = Timings()
     t_all = time.perf_counter()
     if cfg.model.build_tiny:
@@ -57,12 +79,16 @@ def _run(cfg: RunConfig, layout: RunLayout) -> dict[str, Any]:
     t0 = time.perf_counter()
     prompts, counts = read_prompts(cfg, layout)  # a file that cannot be read stops the run here, before Ray
     timings.add("read", t0)
+    console.line("\n".join(header_lines(
+        console.title or str(layout.root), [(d.name, counts[f"{d.name}.rows"]) for d in cfg.datasets],
+        [describe_source(s) for s in cfg.sources], layout.root, counts["resumed_done"], len(prompts),
+        layout.logs if console.capture else None)))
     t0 = time.perf_counter()
     init_ray(cfg)
     timings.add("ray_init", t0)
     t0 = time.perf_counter()
     ledgers, held = create_ledgers(cfg, layout)
-    tally = generate(cfg, prompts, layout, ledgers, replays(cfg, layout, prompts))
+    tally = generate(cfg, prompts, layout, ledgers, replays(cfg, layout, prompts), console=console)
     timings.add("generate", t0)
 
     report: dict[str, Any] = summarize(tally, counts, layout)
@@ -70,16 +96,18 @@ def _run(cfg: RunConfig, layout: RunLayout) -> dict[str, Any]:
     report["spend"] = {name: ledger_report(ledger) | {"held_by_killed_requests": held[name]}
                        for name, ledger in ledgers.items()}
     report["sources"] = source_report(cfg.sources, tally)
-    report["training"] = extract_and_train(cfg, layout, timings)
+    report["training"] = extract_and_train(cfg, layout, timings, console)
     timings.add("total", t_all)
     report["seconds"] = timings.seconds
     gen_s = timings.seconds.get("generate") or 0.0
     report["throughput"] = {
         "samples_per_s": round(tally.done / gen_s, 2) if gen_s else None,
         "tokens_per_s": round(tally.tokens / gen_s, 1) if gen_s else None,
+        "series": tally.series,  # snapshots over time (pipeline.throughput), drawn in report.html
     }
     atomic_write_json(layout.report, report)
-    print(format_report(report, layout.root), flush=True)
+    publish_report(cfg, layout, report)  # report.html + the trackers' run summary; never raises
+    console.line(format_report(report, layout.root))
     return report
 
 
@@ -97,10 +125,16 @@ def init_ray(cfg: RunConfig) -> None:
         ray.init(address=address, **(loopback if local_head else {}))
     else:
         env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
-        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, runtime_env=env, **loopback)
+        # The dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls every second
+        # (without it: a warning a second, and no clean-up of a dead controller's bundles). It binds the next
+        # free port when 8265 is taken.
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=True, runtime_env=env, **loopback)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+    from pipeline.logs import after_ray_init
+
+    after_ray_init()  # a CLI run: Ray's loggers and the workers' output go to OUTPUT/logs/
 
 
 def prepare_output(layout: RunLayout) -> None:
@@ -238,20 +272,41 @@ def spent_by_dataset(layout: RunLayout, source: str) -> dict[str, int]:
 
 
 def generate(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunLayout, ledgers: dict[str, Any],
-             replayed: dict[str, dict[str, str]] | None = None) -> Tally:
+             replayed: dict[str, dict[str, str]] | None = None, console: Console | None = None) -> Tally:
     """Stream prompts through render -> routed sources -> validate -> shard writer, tallying what comes out.
 
     A prompt whose source fails it is handed to the next source the router names; when that source sits
     earlier in the chain the prompt comes back as ``reroute`` and is fed to one more pass.
     """
+    tally = Tally(len(prompts), audit_for(cfg.datasets))
+    if not prompts:
+        return tally
+    with (console or Console()).phase(generate_progress(tally, cfg, layout), announce=True):
+        _generate_passes(cfg, prompts, layout, ledgers, replayed, tally)
+    return tally
+
+
+def generate_progress(tally: Tally, cfg: RunConfig, layout: RunLayout) -> Callable[[bool], str]:
+    """The generation phase's console line: the tally's figures and, per API source, tokens against budgets."""
+    spenders = spending_sources(cfg.sources)
+
+    def render(final: bool) -> str:
+        snap: GenerateSnapshot = replace(tally.snapshot, elapsed_s=time.perf_counter() - tally.t0)
+        if not snap.done and not final:
+            waited = f" ({duration(snap.elapsed_s)})" if snap.elapsed_s >= 1 else ""
+            return f"[generate] 0/{snap.total} done, starting {', '.join(s.name for s in cfg.sources)}{waited}"
+        return generate_line(snap, read_spend(layout, spenders) if spenders else None, final=final)
+
+    return render
+
+
+def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunLayout, ledgers: dict[str, Any],
+                     replayed: dict[str, dict[str, str]] | None, tally: Tally) -> None:
     import ray.data
 
     from pipeline.router import build_router
     from pipeline.sources.chain import map_routed, release_placement_groups, reroute_overrides
 
-    tally = Tally(len(prompts), audit_for(cfg.datasets))
-    if not prompts:
-        return tally
     model = cfg.model
     # The overflow deadline runs from here (engine start-up counts: it is wall clock the user waits).
     router = build_router(cfg.sources, cfg.datasets, cfg.routing, len(prompts), started_at=time.time())
@@ -289,4 +344,3 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunLayout, l
     if todo:
         raise RuntimeError(f"{len(todo)} prompts still re-routed after {cfg.routing.max_hops + 2} passes")
     tally.progress(final=True)
-    return tally

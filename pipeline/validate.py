@@ -76,8 +76,13 @@ def billing_diff(sample: dict[str, Any]) -> int | None:
 
 
 def billing_outlier(diff: int, billed: int, cfg: ChecksConfig) -> bool:
-    """Over the absolute threshold, or over the relative one (relative to the billed count)."""
-    return abs(diff) > cfg.billing_abs_threshold or abs(diff) / max(billed, 1) > cfg.billing_rel_threshold
+    """Over both thresholds: the absolute one, and the relative one (relative to the billed count).
+
+    A token or two on a short answer (a provider counting its stop token, say) is not drift;
+    a few tokens on a long response are not either. Large both ways, the ids cannot account
+    for what was billed.
+    """
+    return abs(diff) > cfg.billing_abs_threshold and abs(diff) > cfg.billing_rel_threshold * max(billed, 1)
 
 
 def longest_loop(ids: list[int], n: int) -> tuple[list[int], int]:
@@ -137,11 +142,26 @@ def find_tool_sections(ids: list[int], p: Profile) -> ToolSections:
 
 
 def _section_problems(sample: dict[str, Any], ids: list[int], p: Profile) -> list[str]:
+    """The bracketing of tool-call sections; what the calls inside say is ``tool_call_problems``."""
     sections = find_tool_sections(ids, p)
     problems = list(sections.problems)
     if sections.open_at is not None and not is_truncated(sample):
         problems.append(f"tool-call section opened at {sections.open_at} never closed")
+    return problems
+
+
+def tool_call_problems(sample: dict[str, Any], ids: list[int], p: Profile) -> list[str]:
+    """Each closed tool-call section in the ids, parsed by the profile: malformed calls, undeclared tools.
+
+    Engine ids and rebuilt ids get the same rule: the section the target wrote (raw markers in
+    content, or structured calls rendered back) is judged by what it says, not by where its
+    markers showed up in the API's text.
+    """
     declared = declared_tool_names(sample)
+    problems = []
+    sections = find_tool_sections(ids, p)
+    if sections.open_at is not None and not declared:  # cut off before it closed: no call to judge, yet a call
+        problems.append(f"tool-call section opened at {sections.open_at} but the prompt declared no tools")
     for b, e in sections.spans:
         try:
             calls = p.parse_tool_calls(p.decode(ids[b : e + 1]))
@@ -153,12 +173,15 @@ def _section_problems(sample: dict[str, Any], ids: list[int], p: Profile) -> lis
             name, args = fn.get("name"), fn.get("arguments")
             try:
                 parsed = json.loads(args) if isinstance(args, str) else args
-            except ValueError:
-                parsed = None
+            except ValueError as err:
+                problems.append(f"tool call {name!r} at {b}: arguments are not a JSON object: {str(args)[:60]!r} "
+                                f"({err})")
+                parsed = {}
             if not isinstance(parsed, dict):
                 problems.append(f"tool call {name!r} at {b}: arguments are not a JSON object: {str(args)[:60]!r}")
-            if declared and name not in declared:
-                problems.append(f"tool call {name!r} at {b} names no declared tool {sorted(declared)}")
+            if name not in declared:
+                problems.append(f"tool call {name!r} at {b} names no declared tool "
+                                + (f"{sorted(declared)}" if declared else "(the prompt declared no tools)"))
     return problems
 
 
@@ -166,7 +189,7 @@ def _section_problems(sample: dict[str, Any], ids: list[int], p: Profile) -> lis
 
 
 def check_structure(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | None:
-    """Token layout: one </think>, end-of-turn last, no prompt-only ids, well-formed tool sections."""
+    """Token layout: one </think>, end-of-turn last, no prompt-only ids, tool sections opened and closed."""
     ids = list(s["output_ids"])
     truncated = is_truncated(s)
     problems = []
@@ -199,6 +222,27 @@ def check_structure(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | N
     return "; ".join(problems) or None
 
 
+def reencode_text(ids: list[int], p: Profile) -> list[int]:
+    """Special ids kept; each run of text between them decoded and encoded again as ordinary text.
+
+    Where the special tokens sit is the structure check's business; this is the canonical
+    tokenization of the text, a special string the model wrote as text included.
+    """
+    specials = set(p.special_ids.values())
+    out: list[int] = []
+    run: list[int] = []
+    for i in [*ids, None]:
+        if i is None or i in specials:
+            if run:
+                out += p.encode(p.decode(run), frozenset())
+                run = []
+            if i is not None:
+                out.append(i)
+        else:
+            run.append(i)
+    return out
+
+
 def check_roundtrip(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | None:
     """decode then encode gives the same ids (the canonical tokenization of the text)."""
     ids = list(s["output_ids"])
@@ -210,7 +254,7 @@ def check_roundtrip(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | N
                 break
             ids = ids[:-1]
             text = p.decode(ids)
-    again = p.encode(text)
+    again = reencode_text(ids, p)
     if again == ids:
         return None
     first = next((i for i, (a, b) in enumerate(zip(ids, again, strict=False)) if a != b), min(len(ids), len(again)))
@@ -219,37 +263,33 @@ def check_roundtrip(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | N
 
 
 def check_billing(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | None:
-    """Rebuilt ids vs the provider's billed completion tokens; a large gap means different text or model."""
+    """Ids vs the provider's billed completion tokens; a large gap means the ids are not what was generated.
+
+    Rebuilt ids that cannot account for the bill (different text, a hidden part, another model) are
+    not trustworthy training data: ``billing`` quarantines by default.
+    """
     diff = billing_diff(s)
     if diff is None:
         return None
     billed = int(s["billed_completion_tokens"])
     if not billing_outlier(diff, billed, cfg):
         return None
-    return (f"{len(s['output_ids'])} ids vs {billed} billed ({diff:+d}, {abs(diff) / max(billed, 1):.1%}; "
-            f"thresholds {cfg.billing_abs_threshold} tokens, {cfg.billing_rel_threshold:.1%})")
+    origin = "rebuilt" if s.get("ids_from") == "rebuilt" else "engine"
+    return (f"{origin} {len(s['output_ids'])} ids, billed {billed}, difference {diff:+d} = "
+            f"{abs(diff) / max(billed, 1):.1%} of the bill (over both thresholds {cfg.billing_abs_threshold} "
+            f"tokens and {cfg.billing_rel_threshold:.1%})")
 
 
 def check_tool_semantics(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | None:
-    """Tool calls only where tools were declared, and never inside reasoning or content text."""
+    """Every tool-call section in the ids parses into calls to declared tools with JSON-object arguments.
+
+    Judged on the ids, the same way for engine and rebuilt samples: a raw section an API left in
+    ``content`` (tools not sent) is as good as a structured call when it says the same thing.
+    """
     ids = list(s["output_ids"])
-    markers = set(p.tool_marker_ids) | {p.tool_section_begin_id, p.tool_section_end_id}
-    declared = declared_tool_names(s)
-    problems = []
-    used = [i for i in ids if i in markers]
-    if used and not declared:
-        problems.append(f"{len(used)} tool-call tokens but the prompt declared no tools")
-    calls = sample_tool_calls(s)
-    if calls and not declared:
-        problems.append(f"{len(calls)} tool_calls but the prompt declared no tools")
+    problems = tool_call_problems(s, ids, p)
     if s["thinking"] and p.think_end_id in ids and p.tool_section_begin_id in ids[: ids.index(p.think_end_id)]:
         problems.append("tool-call section inside the reasoning")
-    reasoning, content = response_texts(s, p)
-    marker_texts = sorted({p.decode([m]) for m in markers})
-    for name, text in (("reasoning", reasoning), ("content", content)):
-        leaked = [m for m in marker_texts if m in text]
-        if leaked:
-            problems.append(f"tool-call markers in {name} text: {leaked[:3]}")
     return "; ".join(problems) or None
 
 

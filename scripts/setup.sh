@@ -16,3 +16,10 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.setup-*
   touch "$stamp"
 fi
+# Headless Chromium for the report.html browser test (tests/unit/test_report_html.py), from Debian's
+# packages: ~115 MB download, ~415 MB installed. Only when absent; CI runs this as root (else sudo).
+if ! command -v chromium >/dev/null 2>&1; then
+  SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+fi

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
@@ -46,7 +48,16 @@ class DraftTrainConfig(BaseModel):
     keep_checkpoints: int = Field(2, ge=1)
     max_failures: int = Field(1, ge=0, description="Ray Train restarts from the latest checkpoint")
     shuffle_buffer: int = Field(1024, ge=1, description="rows in the seeded per-epoch shuffle buffer")
-    log_every: int = Field(10, ge=1, description="console print interval (JSONL logs every step)")
+    log_every: int = Field(10, ge=1, description="interval of the worker's [drafter] log line (JSONL logs every step)")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="where rank 0 also logs each step's metrics (and, at "
+        "the end of a pipeline run, the report's figures): tensorboard -> drafter/tensorboard/; wandb and mlflow "
+        "when installed and configured (below or WANDB_PROJECT / MLFLOW_TRACKING_URI), else skipped with a warning")
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = "eagle3-drafter"
+    tracker_run_name: str | None = Field(None, description="run name in W&B / MLflow (default: theirs)")
     materialize: bool = Field(
         True, description="keep a streamed dataset's rows in Ray's object store after the first epoch (which "
         "spills to local disk past its size) instead of re-running the extraction every epoch; false for "

@@ -8,6 +8,7 @@ batch in epoch), so a resumed run replays exactly the batches an uninterrupted r
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import tempfile
@@ -27,8 +28,10 @@ from training.data import Batch, batches, shuffled, to_sample
 from training.loss import TTTObjective, TTTOutput
 from training.model import Eagle3Drafter, build_drafter
 from training.target import TargetParts, greedy_ids, load_target_parts
+from training.trackers import open_trackers
 from training.vocab import VocabMapping, build_vocab_mapping
 
+log = logging.getLogger(__name__)
 RowsFn = Callable[[int], Iterable[dict]]  # epoch -> this worker's rows
 CheckpointSink = Callable[[Path | None, dict], None]  # (checkpoint dir or None, metrics)
 VOCAB_FILE = "vocab.safetensors"
@@ -230,6 +233,7 @@ def train_loop(
     log_path = out_dir / METRICS_FILE
     if rank == 0:
         _truncate_log(log_path, state.step)
+    trackers = open_trackers(cfg, out_dir, rank=rank, start_step=state.step)  # rank 0 only: TensorBoard, W&B, MLflow
     extra = {"config": cfg.model_dump(), "aux_layer_ids": drafter.config.eagle_aux_hidden_state_layer_ids}
     targets = TargetIdsCache(target.lm_head, device)
     stream = batch_stream(rows_fn, cfg, targets, state, rank,
@@ -265,16 +269,20 @@ def train_loop(
         if rank == 0:
             with log_path.open("a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
+            trackers.log_metrics(state.step, metrics)
             if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+                # a log record, not a print: in a Ray Train worker, print goes to Ray Train's logger and to stdout
+                # (one line twice); the pipeline's console shows the steps from metrics.jsonl (pipeline.console)
                 accs = " ".join(f"{metrics[f'acc_{k}']:.2f}" for k in range(cfg.ttt_steps))
-                print(f"[drafter] step {state.step}/{cfg.steps} loss {metrics['loss']:.3f} "
-                      f"acc [{accs}] {metrics['tokens_per_s']:.0f} tok/s lr {metrics['lr']:.2e}", flush=True)
+                log.info("[drafter] step %d/%d loss %.3f acc [%s] %.0f tok/s lr %.2e", state.step, cfg.steps,
+                         metrics["loss"], accs, metrics["tokens_per_s"], metrics["lr"])
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             with tempfile.TemporaryDirectory() as tmp:
                 ckpt = save_checkpoint(Path(tmp), drafter, optimizer, scheduler, state, extra) if rank == 0 else None
                 sink(ckpt, metrics)
         if after_step is not None:
             after_step(state.step)
+    trackers.close()
     return drafter, metrics
 
 
@@ -369,8 +377,11 @@ def train_drafter(
     if not vocab_path.exists():
         vocab = vocab or vocab_from_dataset(ds, target.vocab_size, cfg.draft_vocab_size)
         save_vocab(vocab, vocab_path)
-    options = ray.train.DataConfig.default_ingest_options()
-    options.preserve_order = True  # stable shard order -> exact resume
+    # Ray's default_ingest_options() as it is minus exclude_resources, which Ray deprecates (and warns about when
+    # default_ingest_options passes it on); stable shard order -> exact resume
+    current = ray.data.DataContext.get_current().execution_options
+    options = ray.data.ExecutionOptions(resource_limits=current.resource_limits, preserve_order=True,
+                                        verbose_progress=current.verbose_progress)
     data_config = ray.train.DataConfig(execution_options=options)
     trainer = TorchTrainer(
         _ray_worker,

@@ -15,6 +15,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 
@@ -128,7 +129,7 @@ class Profile(ABC):
     # string inside a field is the token only where that token can occur in that field; anywhere
     # else the model wrote it as text (discussing its own format, say) and it is encoded as text.
 
-    @property
+    @cached_property
     def tool_marker_texts(self) -> frozenset[str]:
         """The strings of every tool-call marker, section begin and end included."""
         ids = set(self.tool_marker_ids) | {self.tool_section_begin_id, self.tool_section_end_id}

@@ -32,23 +32,32 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.config import EngineSourceConfig, SamplingConfig
+from pipeline.config import EngineSourceConfig, ExtractionConfig, SamplingConfig
 from pipeline.flight import batch_to_rows, mark, rows_to_table
 from pipeline.router import Router, has_tools
 from pipeline.sources.registry import source_kind
 
 _PLACEMENT_GROUPS: list[Any] = []  # created in this (driver) process by placement_strategy
 
+# An engine actor stops its engine itself when Ray Data retires it (EngineSource.__del__, run from the actor's
+# __ray_shutdown__). Ray would otherwise SIGKILL the actor's child processes first: the engine's processes and
+# Python's multiprocessing resource tracker, which then comes back mid-cleanup and prints a KeyError traceback
+# per shared-memory segment. (An actor that dies abruptly is not affected: Ray kills nothing then either, and
+# the engine's processes exit when their parent is gone.) Merged into the job's runtime env, not replacing it.
+ENGINE_ACTOR_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}}
 
-def placement_strategy(bundles: int) -> dict[str, Any]:
+
+def placement_strategy(bundles: int, bundle_resources: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Ray remote args putting one actor and its engine's TP workers in one placement group on one node.
 
     Ray Data calls this in the driver for every actor it starts; the group outlives its actor, so
-    the driver removes them all with `release_placement_groups` when the dataset has run."""
+    the driver removes them all with `release_placement_groups` when the dataset has run.
+    ``bundle_resources``: custom resources added to every bundle (e.g. ``{"h200": 1}``)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}] * bundles, strategy="STRICT_PACK")
+    pg = ray.util.placement_group([{"GPU": 1, "CPU": 1, **(bundle_resources or {})}] * bundles,
+                                  strategy="STRICT_PACK")
     _PLACEMENT_GROUPS.append(pg)
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
 
@@ -64,18 +73,23 @@ def release_placement_groups() -> int:
     return n
 
 
-def engine_resources(cfg: EngineSourceConfig, *, ray_tp: bool = True) -> dict[str, Any]:
-    """``map_batches`` resource arguments for an engine actor (see the module doc for TP > 1).
+def engine_resources(cfg: EngineSourceConfig | ExtractionConfig, *, ray_tp: bool = True) -> dict[str, Any]:
+    """``map_batches`` resource arguments for an engine actor (see the module doc for TP > 1); the
+    extraction actor of an engine backend (pipeline.handoff) is placed the same way.
 
     ``ray_tp``: the engine spreads TP workers as Ray tasks (vLLM); False when it
     forks them itself on the actor's GPUs (SGLang), so the actor holds all TP GPUs.
+    ``cfg.resources`` (custom resources) go to the actor, or split evenly over the TP bundles.
     """
     tp = cfg.tensor_parallel_size
+    custom = {"resources": dict(cfg.resources)} if cfg.resources else {}
     if cfg.num_gpus <= 0:
-        return {"num_cpus": cfg.num_cpus}
+        return {"num_cpus": cfg.num_cpus, **custom}
     if tp == 1 or not ray_tp:
-        return {"num_cpus": cfg.num_cpus, "num_gpus": max(cfg.num_gpus, float(tp))}
-    return {"num_cpus": 0, "num_gpus": 0, "ray_remote_args_fn": partial(placement_strategy, tp)}
+        return {"num_cpus": cfg.num_cpus, "num_gpus": max(cfg.num_gpus, float(tp)), **custom}
+    per_bundle = {k: v / tp for k, v in cfg.resources.items()}
+    fn = partial(placement_strategy, tp, per_bundle) if per_bundle else partial(placement_strategy, tp)
+    return {"num_cpus": 0, "num_gpus": 0, "ray_remote_args_fn": fn}
 
 
 def chain_batch_size(batch_size: int, share: float, cap: int = 8) -> int:
@@ -143,7 +157,7 @@ def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Sam
     else:
         # Two batches queued per actor: the next is ready when the engine finishes one, and no more (backpressure).
         compute = ray.data.ActorPoolStrategy(min_size=min_actors, max_size=max_actors, max_tasks_in_flight_per_actor=2)
-        resources = engine_resources(src, ray_tp=kind.layout == "engine")
+        resources = engine_resources(src, ray_tp=kind.layout == "engine") | {"runtime_env": ENGINE_ACTOR_ENV}
     return ds.map_batches(kind.actor_class(), fn_constructor_args=(model_dir, profile, sampling, src, router),
                           fn_constructor_kwargs=kwargs, batch_size=batch, batch_format="pyarrow", compute=compute,
                           **resources)

@@ -117,6 +117,19 @@ class EngineSource:
     def start(self, model_dir: str) -> None:
         """Start the engine once per actor; an exception here is recorded as ``start_error`` (see module doc)."""
 
+    def shutdown(self) -> None:
+        """Stop the engine and its processes (idempotent). Called from ``__del__``."""
+
+    def __del__(self) -> None:
+        # When Ray Data retires an actor it drops the stage object (``__ray_shutdown__``) before Ray kills the
+        # actor's child processes. Stopping the engine here, while Python's multiprocessing resource tracker
+        # (one of those children) still runs, lets the engine unlink its shared memory in order; killed first,
+        # the tracker is relaunched mid-cleanup and prints a KeyError traceback per segment.
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: nothing left to report to
+            log.debug("source %r: engine shutdown failed", getattr(self, "source_name", "?"), exc_info=True)
+
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
         raise NotImplementedError(f"{type(self).__name__} must implement generate_rows")
 

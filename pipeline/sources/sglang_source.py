@@ -131,5 +131,6 @@ class SGLangGenerator(EngineSource):
         return [result_from_response(o, per_sample) for o in outs]
 
     def shutdown(self) -> None:
-        if self.engine is not None:  # None: the engine never started
-            self.engine.shutdown()
+        engine, self.engine = self.engine, None
+        if engine is not None:  # None: the engine never started, or is stopped already
+            engine.shutdown()

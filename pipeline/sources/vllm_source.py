@@ -27,11 +27,17 @@ class VLLMGenerator(EngineSource):
     def __init__(self, model_dir: str, profile: str, sampling: SamplingConfig | Mapping[str, Any],
                  cfg: VLLMSourceConfig, router: NextSource | None = None, llm: Any | None = None) -> None:
         self.llm = llm
+        self.owns_engine = llm is None  # an engine handed in belongs to the caller
         super().__init__(model_dir, profile, sampling, cfg, router)
 
     def start(self, model_dir: str) -> None:
         if self.llm is None:
             self.llm = start_vllm(model_dir, self.cfg, self.sampling.seed)
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None and getattr(self, "owns_engine", False):
+            stop_vllm(llm)
 
     def _params(self, sample_id: str, prompt_len: int) -> Any:
         from vllm import SamplingParams
@@ -97,6 +103,13 @@ def prefill_groups(lengths: list[int], budget: int | None) -> list[list[int]]:
             groups.append([i])
             used = n
     return groups
+
+
+def stop_vllm(llm: Any) -> None:
+    """Stop a ``vllm.LLM``'s engine-core processes now (vLLM otherwise does it at interpreter exit)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
 
 
 def start_vllm(model_dir: str, cfg: VLLMSourceConfig, seed: int) -> Any:

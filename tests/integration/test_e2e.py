@@ -180,3 +180,18 @@ def test_rerun_with_other_sampling_or_target_is_refused(tiny_run, tmp_path):
         run(wild)
     assert sorted(p.name for p in (out / "samples").iterdir()) == before
     assert json.loads((out / MANIFEST_FILE).read_text())["sampling"]["temperature"] == 1.0
+
+
+def test_the_run_publishes_report_html_and_tensorboard_events(tiny_run):
+    """report.html beside report.json with every figure; the drafter's TensorBoard events hold each training
+    step and, at the last step, the report's data-side figures."""
+    from pipeline.report_html import FIGURE_IDS
+    from tests.unit.test_trackers import read_scalars
+
+    _, out, report = tiny_run
+    page = (out / "report.html").read_text()
+    assert all(f'<svg id="{fig}"' in page for fig in FIGURE_IDS)
+    assert report["throughput"]["series"][-1]["done"] == report["this_attempt"]["samples"]
+    got = read_scalars(out / "drafter" / "tensorboard")
+    assert [step for step, _ in got["loss/total"]] == list(range(1, 13))
+    assert got["data/samples_per_source/vllm-cpu"] == [(12, float(report["sources"]["vllm-cpu"]["served"]))]

@@ -54,11 +54,14 @@ def accumulate(samples: list[dict[str, Any]], cfg: ChecksConfig = CFG) -> AuditA
 def test_report_figures_on_known_samples() -> None:
     samples = known_samples()
     r = accumulate(samples).report()
-    assert (r["samples"], r["passed"], r["quarantined"], r["flagged"]) == (8, 7, 1, 2)
+    # b-1's rebuilt ids are 65 tokens off its bill (over both thresholds): quarantined by default.
+    assert (r["samples"], r["passed"], r["quarantined"], r["flagged"]) == (8, 6, 2, 1)
     assert r["checks"]["repetition"] == {"mode": "quarantine", "checked": 8, "failed": 1, "flagged": 0,
                                          "examples": [r["checks"]["repetition"]["examples"][0]]}
     assert r["checks"]["repetition"]["examples"][0]["sample_id"] == "e-2"
-    assert (r["checks"]["billing"]["checked"], r["checks"]["billing"]["flagged"]) == (5, 1)
+    billing = r["checks"]["billing"]
+    assert (billing["mode"], billing["checked"], billing["failed"], billing["flagged"]) == ("quarantine", 5, 1, 0)
+    assert billing["examples"][0]["sample_id"] == "b-1"
     assert (r["checks"]["roundtrip"]["flagged"], r["checks"]["structure"]["failed"]) == (1, 0)
     assert r["ids_from"] == {"engine": 3, "rebuilt": 5}
 
@@ -82,6 +85,9 @@ def test_report_figures_on_known_samples() -> None:
     assert (a["billing"]["outliers"], a["billing"]["max_abs_diff"]) == (0, 1)
     assert (pb["billing"]["mean_diff"], pb["billing"]["max_sample_id"], pb["billing"]["outliers"]) == (32.5, "b-1", 1)
     assert (eng["billing"]["samples"], eng["billing"]["mean_diff"], eng["quarantined"]) == (0, None, 1)
+    assert (pb["quarantined"], a["quarantined"]) == (1, 0)
+    flag = accumulate(samples, ChecksConfig(billing="flag")).report()  # the mode before billing quarantined
+    assert (flag["passed"], flag["quarantined"], flag["flagged"]) == (7, 1, 2)
     assert r["by_dataset"]["math"]["samples"] == 1 and r["by_dataset"]["chat"]["samples"] == 7
 
 
@@ -101,24 +107,26 @@ def test_merged_workers_report_like_one() -> None:
 def test_gate_counts_quarantine_failures_by_default_and_detections_when_limited() -> None:
     r = accumulate(known_samples()).report()
     g = gate(r, CFG)
-    assert not g["ok"] and g["violations"] == ["repetition: 1 > 0"]
+    assert not g["ok"] and g["violations"] == ["billing: 1 > 0", "repetition: 1 > 0"]
     # Flag-mode detections are free by default: only quarantine-mode ones (failed) count.
-    assert g["checks"]["billing"] == {"counts": "failed", "count": 0, "max": 0, "ok": True}
-    cfg = ChecksConfig(max_failures={"repetition": 1, "billing": 0})
-    assert gate(r, cfg)["violations"] == ["billing: 1 > 0"]
+    assert g["checks"]["roundtrip"] == {"counts": "failed", "count": 0, "max": 0, "ok": True}
+    flag = ChecksConfig(billing="flag")
+    assert gate(accumulate(known_samples(), flag).report(), flag)["violations"] == ["repetition: 1 > 0"]
+    cfg = ChecksConfig(billing="flag", max_failures={"repetition": 1, "billing": 0})
+    assert gate(accumulate(known_samples(), cfg).report(), cfg)["violations"] == ["billing: 1 > 0"]
 
 
 def test_summary_lines_read_like_a_data_report() -> None:
     r = accumulate(known_samples()).report()
     r["gate"] = gate(r, CFG)
     text = "\n".join(summary_lines(r))
-    assert "8 responses checked: 7 passed, 1 quarantined, 2 flagged" in text
+    assert "8 responses checked: 6 passed, 2 quarantined, 1 flagged" in text
     assert "structure: 0 structural issues in 8 checked" in text
     assert "canonical share: 87.50% (engine 2/3, rebuilt 5/5)" in text
     assert "rebuilt token counts match billing within 13.4 tokens on average" in text
     assert "max +65 (sample b-1); 1 outlier" in text
     assert "  prov-a: 3 billed" in text
-    assert "gate: FAILED (repetition: 1 > 0)" in text
+    assert "gate: FAILED (billing: 1 > 0; repetition: 1 > 0)" in text
 
 
 # -- shards -------------------------------------------------------------------
@@ -138,11 +146,13 @@ def test_audit_of_a_known_shard_reproduces_its_figures(tmp_path: Path, capsys: p
     write_shard(tmp_path / "run" / "quarantine" / "part-q.parquet",
                 [quarantine_row(quarantined, "validate", "repetition")], QUARANTINE_SCHEMA)
     out_json, out_html = tmp_path / "report.json", tmp_path / "report.html"
+    checks = tmp_path / "checks.yaml"
+    checks.write_text("billing: flag\n")  # the shard was validated with billing flagging: b-1 passed
 
-    rc = main([str(tmp_path / "run"), "--json", str(out_json), "--html", str(out_html)])
+    rc = main([str(tmp_path / "run"), "--json", str(out_json), "--html", str(out_html), "--checks", str(checks)])
     assert rc == 0
     report = json.loads(out_json.read_text())
-    expected = accumulate(samples).report()
+    expected = accumulate(samples, ChecksConfig(billing="flag")).report()
     for key in ("samples", "passed", "quarantined", "billing", "by_provider", "canonical_share", "checks"):
         assert report[key] == expected[key], key
     assert report["samples"] == 7 and report["billing"]["max_sample_id"] == "b-1"
@@ -169,10 +179,14 @@ def test_audit_gate_fails_on_a_bad_sample_and_limits_are_configurable(tmp_path: 
     assert main([str(shard), "--checks", str(checks)]) == 1
 
 
-def test_audit_gates_on_billing_when_asked(tmp_path: Path) -> None:
+def test_audit_gates_on_billing_by_default(tmp_path: Path) -> None:
     shard = write_shard(tmp_path / "s.parquet", [api_sample("x", diff=-30, provider="cheap-fp4")])
-    assert main([str(shard)]) == 0  # billing flags by default
-    assert main([str(shard), "--max-failures", "billing=0"]) == 1
+    assert main([str(shard)]) == 1  # billing quarantines by default: one failure is over the gate
+    assert main([str(shard), "--max-failures", "billing=1"]) == 0
+    checks = tmp_path / "checks.yaml"
+    checks.write_text("billing: flag\n")
+    assert main([str(shard), "--checks", str(checks)]) == 0
+    assert main([str(shard), "--checks", str(checks), "--max-failures", "billing=0"]) == 1
 
 
 def test_tool_samples_audit_clean(tmp_path: Path) -> None:

@@ -228,11 +228,26 @@ def _check_literal(p: Profile, c: Completion, thinking: bool) -> None:
     assert ids.count(p.think_end_id) == _expected_think_ends(p, c, thinking)
     assert p.eot_id not in (ids[:-1] if c.finish_reason != "length" else ids)
     assert not set(ids) & p.forbidden_output_ids
-    reasoning_end = ids.index(p.think_end_id) if p.think_end_id in ids else len(ids)
+    body = ids if c.finish_reason == "length" else ids[:-1]
+    reasoning_end = body.index(p.think_end_id) if p.think_end_id in body else len(body)
     allowed_in_reasoning = {p.special_ids[t] for t in p.reasoning_specials}
     specials = set(p.special_ids.values())
     if c.reasoning is not None:
-        assert {i for i in ids[:reasoning_end] if i in specials} <= allowed_in_reasoning
+        assert {i for i in body[:reasoning_end] if i in specials} <= allowed_in_reasoning
+
+
+@pytest.mark.parametrize("name", PROFILE_NAMES)
+@SETTINGS
+@given(data=st.data())
+def test_encode_modes_agree_where_they_should(name: str, data: st.DataObject) -> None:
+    """Honouring every special string is the native encode; with none in the text, plain text is too."""
+    p = PROFILES[name]
+    text = data.draw(_text(p))
+    assert p.encode(text, frozenset(p.special_ids)) == p.encode(text)
+    plain = p.encode(text, frozenset())
+    assert p.decode(plain) == p.normalize(text, frozenset())
+    if not any(t in text for t in p.special_ids):
+        assert plain == p.encode(text)
 
 
 @pytest.mark.parametrize("name", PROFILE_NAMES)
@@ -249,7 +264,8 @@ def test_literal_specials_rebuild_to_the_text_and_the_layout(name: str, data: st
 def test_engine_ids_with_literal_specials_survive_split_ids(name: str, data: st.DataObject) -> None:
     """Ids a target could write (special strings in its text as ordinary tokens) split and rebuild exactly."""
     p = PROFILES[name]
-    reasoning, content = data.draw(_text(p)), data.draw(_text(p))
+    before, after = p.think_end_padding  # what the target writes around </think>
+    reasoning, content = data.draw(_text(p)) + before, after + data.draw(_text(p))
     ids = p.encode(reasoning, p.reasoning_specials) + [p.think_end_id]
     ids += p.encode(content, frozenset()) + [p.eot_id]
     if p.reencode(ids, True) != ids:

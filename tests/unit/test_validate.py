@@ -228,6 +228,14 @@ def test_truncated_inside_a_tool_section_is_not_a_structure_failure() -> None:
     assert "structure" not in fired(s)
 
 
+def test_a_cut_off_tool_call_needs_declared_tools() -> None:
+    ids = _tool_ids(weather_call())[:-4]  # cut before the section closes: no call to parse, yet a call
+    v = validate_sample(engine_sample("t-5", ids, tools=None, truncated=True), P, CFG)
+    assert set(v.failed) == {"tool_semantics"} and set(v.flagged) == {"truncated"}, v
+    assert "tool-call section opened at" in v.failed["tool_semantics"]
+    assert "the prompt declared no tools" in v.failed["tool_semantics"]
+
+
 # -- roundtrip ----------------------------------------------------------------
 
 
