@@ -14,11 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ChecksConfig, DatasetConfig, RunConfig, TransformersSourceConfig, VLLMSourceConfig
+from pipeline.config import (
+    ChecksConfig,
+    DatasetConfig,
+    OpenRouterSourceConfig,
+    RoutingConfig,
+    RunConfig,
+    SourceRoute,
+    TransformersSourceConfig,
+    VLLMSourceConfig,
+)
 from pipeline.datasets import load_dataset
 from pipeline.openrouter_server import ServerConfig, TransformersBackend, serve_in_thread
 from pipeline.profiles import load_profile
-from pipeline.config import OpenRouterSourceConfig, RoutingConfig, SourceRoute
 from pipeline.router import build_router
 from pipeline.sources.chain import map_routed, reroute_overrides
 from pipeline.stages import RenderPrompts

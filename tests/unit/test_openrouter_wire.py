@@ -9,11 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.config import SamplingConfig
+from pipeline.config import OpenRouterSourceConfig, ProviderPreferences, SamplingConfig
 from pipeline.profiles import load_profile
 from pipeline.profiles.base import Completion
 from pipeline.reconstruct import rebuild_ids
-from pipeline.config import OpenRouterSourceConfig, ProviderPreferences
 from pipeline.sources.http_engine import Secret, request_options
 from pipeline.sources.http_wire import (
     FATAL_STATUS,

@@ -9,6 +9,7 @@ import pytest
 from pipeline.config import ChecksConfig, SamplingConfig, SGLangSourceConfig
 from pipeline.profiles import load_profile
 from pipeline.records import empty_sample
+from pipeline.sources.engine import fill_from_engine, request_seed
 from pipeline.sources.sglang_source import (
     SGLangGenerator,
     engine_kwargs,
@@ -16,7 +17,6 @@ from pipeline.sources.sglang_source import (
     sampling_params,
     sglang_available,
 )
-from pipeline.sources.engine import fill_from_engine, request_seed
 from pipeline.validate import check_structure
 
 
