@@ -79,11 +79,12 @@ def test_extract_to_shards_resumes_and_feeds_ray_train(tmp_path, tiny_target, ra
     assert sample.aux_hidden.shape[1] == 3 * H and sample.loss_mask.any()
     # stream mode counts the draft vocab from the samples (the stream is not read for it): same tokens, same
     # masks, same truncation and quarantine as the extraction stage
-    from pipeline.run import draft_vocab_from_samples
+    from pipeline.handoff import draft_vocab_from_samples
+    from pipeline.layout import RunLayout
     from training.vocab import count_loss_masked_tokens
 
     wide = vocab_from_dataset(ds, 129_280, 256)
-    from_samples = draft_vocab_from_samples(samples, 129_280, 256, 38, "quarantine")
+    from_samples = draft_vocab_from_samples(RunLayout(tmp_path), 129_280, 256, 38, "quarantine")
     assert torch.equal(from_samples.d2t, wide.d2t) and torch.equal(from_samples.t2d, wide.t2d)
     assert count_loss_masked_tokens(ds.iter_rows(), 129_280).sum() > 0
 
