@@ -256,6 +256,9 @@ class OpenRouterSourceConfig(Strict):
     num_actors: int = Field(4, gt=0)
     max_actors: int | None = None
     num_cpus: float = 0.25
+    # Custom Ray resources each actor needs (e.g. {api_node: 1} to keep the actors on the nodes that carry it,
+    # such as cluster.yaml's cpu_http nodes), as for engine sources.
+    resources: dict[str, float] = Field(default_factory=dict)
     batch_size: int = Field(128, gt=0)
     max_concurrent_batches: int = Field(4, gt=0)
     max_in_flight: int = Field(500, gt=0)

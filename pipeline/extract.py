@@ -529,21 +529,6 @@ def rms_norm(x: Any, weight: Any, eps: float) -> Any:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight.to(x.dtype)
 
 
-def read_weight(model_dir: str | Path, key: str) -> Any:
-    """One tensor from a (possibly sharded) safetensors checkpoint, without loading the rest."""
-    from safetensors import safe_open
-
-    folder = Path(model_dir)
-    index = folder / "model.safetensors.index.json"
-    files = [folder / json.loads(index.read_text())["weight_map"][key]] if index.exists() \
-        else sorted(folder.glob("*.safetensors"))
-    for f in files:
-        with safe_open(str(f), "pt") as fh:
-            if key in fh.keys():
-                return fh.get_tensor(key)
-    raise KeyError(f"{key} not in {folder}")
-
-
 class VLLMStateCapture:
     """Capture through vLLM's ``extract_hidden_states`` speculative method.
 
@@ -562,10 +547,12 @@ class VLLMStateCapture:
         import torch
         from vllm import LLM
 
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        from training.target import NORM_KEY, read_target_config, read_target_tensor
+
+        cfg = read_target_config(model_dir)
         self.hidden, self.n_aux = cfg["hidden_size"], len(aux_layer_ids)
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
-        self.norm_weight = read_weight(model_dir, "model.norm.weight").float()
+        self.norm_weight = read_target_tensor(model_dir, NORM_KEY).float()
         gpu = torch.cuda.is_available()
         self.device = "cuda" if gpu else "cpu"
         self.dtype = ("bfloat16" if gpu else "float32") if dtype == "auto" else dtype

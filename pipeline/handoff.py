@@ -102,13 +102,16 @@ def extraction_resources(ex: ExtractionConfig) -> dict[str, Any]:
     """``map_batches`` resources of an extraction actor. An engine backend with TP > 1 (validated: vllm on
     GPUs) is placed like a vLLM source's actor: no GPU itself, a placement group of TP one-GPU bundles on
     one node that the engine's Ray workers fill (pipeline.sources.chain). Otherwise the actor holds
-    ``num_cpus``/``num_gpus`` (a fraction of a GPU too) itself."""
-    if ex.tensor_parallel_size > 1:
-        from pipeline.sources.chain import engine_resources
+    ``num_cpus``/``num_gpus`` (a fraction of a GPU too) itself. A vLLM engine actor also gets the engine
+    actors' runtime env, so it stops its engine itself when retired (see ENGINE_ACTOR_ENV)."""
+    from pipeline.sources.chain import ENGINE_ACTOR_ENV, engine_resources
 
-        return engine_resources(ex)
-    return {"num_cpus": ex.num_cpus, "num_gpus": ex.num_gpus, **({"resources": dict(ex.resources)} if ex.resources
-                                                                  else {})}
+    if ex.tensor_parallel_size > 1:
+        resources = engine_resources(ex)
+    else:
+        resources = {"num_cpus": ex.num_cpus, "num_gpus": ex.num_gpus,
+                     **({"resources": dict(ex.resources)} if ex.resources else {})}
+    return resources | ({"runtime_env": ENGINE_ACTOR_ENV} if ex.backend == "vllm" else {})
 
 
 @contextmanager
@@ -135,20 +138,19 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
                       console: Console | None = None) -> dict[str, Any]:
     """Extract hidden states, train the drafter on them, export it, and measure it on held-out samples; each
     step shows its progress on ``console``."""
-    from transformers import AutoConfig
-
     from pipeline.extract import bytes_per_token, read_extract_stats
     from training.config import DraftTrainConfig, resolve_aux_layer_ids
+    from training.target import read_target_config
 
     if reason := skip_reason(cfg, layout):
         return {"skipped": reason}
     console = console or Console()
     tcfg, ex = cfg.training, cfg.extraction
-    target_cfg = AutoConfig.from_pretrained(cfg.model.path)
-    aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg.num_hidden_layers)
+    target_cfg = read_target_config(cfg.model.path)  # the language model's, also for a multimodal checkpoint
+    aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg["num_hidden_layers"])
     h = Handoff(cfg, layout, aux_ids, tcfg.heldout_fraction if tcfg is not None else 0.0)
     result: dict[str, Any] = {"aux_layer_ids": aux_ids, "extraction_mode": ex.mode,
-                              "bytes_per_token": bytes_per_token(target_cfg.hidden_size, len(aux_ids))}
+                              "bytes_per_token": bytes_per_token(target_cfg["hidden_size"], len(aux_ids))}
     if ex.mode == "shards":
         t0 = time.perf_counter()
         with placement_groups_released(), console.phase(ExtractWatch(layout.extract_stats, None).line):
@@ -165,7 +167,7 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
         from training.train import train_drafter
 
         # counted from the samples, not the stream: counting the stream would run the extraction once more
-        vocab = draft_vocab_from_samples(layout, target_cfg.vocab_size, tcfg.draft_vocab_size, ex.max_len,
+        vocab = draft_vocab_from_samples(layout, target_cfg["vocab_size"], tcfg.draft_vocab_size, ex.max_len,
                                          ex.too_long, h.heldout) if ex.mode == "stream" else None
         # a materialized stream is extracted whole before the first step; otherwise extraction runs alongside
         feeding = ExtractWatch(layout.extract_stats, training_samples(layout, h.heldout)) \

@@ -328,16 +328,16 @@ def extract_to_shards(samples_dir: str | Path, out_dir: str | Path, *, model_dir
     """
     import pyarrow.compute as pc
     import ray.data
-    from transformers import AutoConfig
 
     from pipeline.extract import HiddenStateExtractor
+    from training.target import read_target_config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
     done = completed_sample_ids(out)
     skipped = quarantined_ids(quarantine_dir) - done
-    hidden = AutoConfig.from_pretrained(model_dir).hidden_size
+    hidden = read_target_config(model_dir)["hidden_size"]
     meta = shard_meta(aux_layer_ids, hidden, dtype, model=str(model_dir))
     existing = load_index(out)["meta"]
     if existing and any(existing.get(k) != meta.get(k) for k in COMPATIBLE_KEYS):

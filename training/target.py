@@ -1,8 +1,15 @@
-"""Read the few target tensors the drafter needs (embeddings, lm_head, final norm) from a HF folder."""
+"""Read the few target tensors the drafter needs (embeddings, lm_head, final norm) from a HF folder.
+
+Multimodal checkpoints (Kimi-K2.5: ``KimiK25ForConditionalGeneration``) nest the language model: its
+config under ``text_config`` and its weights under ``language_model.`` (or ``model.language_model.`` in
+newer transformers layouts). Everything here reads the language model's config and tensors, whichever
+layout the folder has.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +19,8 @@ from safetensors import safe_open
 EMBED_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
 NORM_KEY = "model.norm.weight"
+# Where a multimodal checkpoint keeps the language model's tensors, tried in this order.
+WEIGHT_PREFIXES = ("", "language_model.", "model.language_model.")
 
 
 @dataclass
@@ -37,8 +46,20 @@ class TargetParts:
 
 
 def read_target_config(target_dir: str | Path) -> dict:
-    """The target's config.json as a dict."""
-    return json.loads((Path(target_dir) / "config.json").read_text())
+    """The target's language-model config: config.json, or its ``text_config`` when the model nests one."""
+    return text_config(json.loads((Path(target_dir) / "config.json").read_text()))
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a (possibly multimodal) config.json."""
+    nested = config.get("text_config")
+    return dict(nested) if isinstance(nested, dict) and "hidden_size" in nested else config
+
+
+def weight_key(keys: Iterable[str], key: str) -> str | None:
+    """``key`` (a language-model tensor name) as the checkpoint spells it, or None when absent."""
+    have = set(keys)
+    return next((p + key for p in WEIGHT_PREFIXES if p + key in have), None)
 
 
 def _key_to_file(target_dir: Path) -> dict[str, Path]:
@@ -56,6 +77,16 @@ def _key_to_file(target_dir: Path) -> dict[str, Path]:
     return out
 
 
+def read_target_tensor(target_dir: str | Path, key: str) -> torch.Tensor:
+    """One language-model tensor (e.g. ``NORM_KEY``) as stored, without loading the rest of the checkpoint."""
+    target_dir = Path(target_dir)
+    where = _key_to_file(target_dir)
+    if (stored := weight_key(where, key)) is None:
+        raise KeyError(f"{key} not in {target_dir} (looked under prefixes {WEIGHT_PREFIXES})")
+    with safe_open(str(where[stored]), "pt") as fh:
+        return fh.get_tensor(stored)
+
+
 def load_target_parts(target_dir: str | Path) -> TargetParts:
     """Load embeddings, lm_head (tied embeddings allowed) and final norm as float32 CPU tensors."""
     target_dir = Path(target_dir)
@@ -63,10 +94,10 @@ def load_target_parts(target_dir: str | Path) -> TargetParts:
     where = _key_to_file(target_dir)
 
     def get(key: str) -> torch.Tensor | None:
-        if key not in where:
+        if (stored := weight_key(where, key)) is None:
             return None
-        with safe_open(str(where[key]), "pt") as fh:
-            return fh.get_tensor(key).float()
+        with safe_open(str(where[stored]), "pt") as fh:
+            return fh.get_tensor(stored).float()
 
     embed = get(EMBED_KEY)
     if embed is None:

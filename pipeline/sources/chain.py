@@ -154,6 +154,8 @@ def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Sam
         compute = ray.data.ActorPoolStrategy(min_size=min_actors, max_size=max_actors,
                                              max_concurrent_calls_per_actor=src.max_concurrent_batches)
         resources: dict[str, Any] = {"num_cpus": src.num_cpus}
+        if src.resources:
+            resources["resources"] = dict(src.resources)
     else:
         # Two batches queued per actor: the next is ready when the engine finishes one, and no more (backpressure).
         compute = ray.data.ActorPoolStrategy(min_size=min_actors, max_size=max_actors, max_tasks_in_flight_per_actor=2)

@@ -14,11 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-# What a third-party line looks like on the console: a logging prefix, a timestamp, Ray's C++ log prefix, a Ray
-# worker's forwarded output, a Python warning or a progress bar.
-FOREIGN = re.compile(r"^\s*(INFO|WARNING|WARN|ERROR|DEBUG)\b|^\d{4}-\d\d-\d\d[ T]|^\[\d{4}-\d\d-\d\d|pid=\d+\)|"
-                     r"\((MapWorker|RayTrainWorker|TrainController|SplitCoordinator|EngineCore|raylet)|"
-                     r"Warning:|\d+%\|")
+from tests.helpers.console import FOREIGN
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,13 @@ from pipeline.extract import (
     load_target,
     prepare_sample,
     read_extract_stats,
-    read_weight,
     rms_norm,
     split_on_oom,
     token_batches,
     training_table,
 )
 from pipeline.profiles import load_profile
+from training.target import NORM_KEY, read_target_tensor
 
 AUX = [1, 2, 3]  # the tiny target has 4 layers; default_aux_layer_ids(4) spreads to these
 REPO = Path(__file__).resolve().parents[2]
@@ -165,7 +165,7 @@ def test_vllm_backend_final_norm_matches_the_target(model, tiny_target):
         handle = model.model.norm.register_forward_pre_hook(lambda m, a: pre_norm.setdefault("x", a[0]))
         model.model(input_ids=torch.tensor([seq]))
         handle.remove()
-    normed = rms_norm(pre_norm["x"], read_weight(tiny_target, "model.norm.weight"), model.config.rms_norm_eps)
+    normed = rms_norm(pre_norm["x"], read_target_tensor(tiny_target, NORM_KEY), model.config.rms_norm_eps)
     torch.testing.assert_close(normed, out.last_hidden_state, rtol=0, atol=0)
 
 

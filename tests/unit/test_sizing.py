@@ -146,7 +146,7 @@ def test_check_passes_the_kimi_config_and_refuses_it_with_transformers_extractio
 def test_kimi_extraction_is_a_tp8_engine_on_h200_nodes(repo_root):
     from pipeline.handoff import Handoff, extraction_resources
     from pipeline.layout import RunLayout
-    from pipeline.sources.chain import placement_strategy
+    from pipeline.sources.chain import ENGINE_ACTOR_ENV, placement_strategy
 
     cfg = load_config(repo_root / "configs" / "kimi_k25.yaml", check_paths=False)
     ex = cfg.extraction
@@ -155,6 +155,7 @@ def test_kimi_extraction_is_a_tp8_engine_on_h200_nodes(repo_root):
     assert res["num_cpus"] == 0 and res["num_gpus"] == 0  # the 8 bundles hold the GPUs
     fn = res["ray_remote_args_fn"]
     assert isinstance(fn, partial) and fn.func is placement_strategy and fn.args == (8, {"h200": 1.0})
+    assert res["runtime_env"] == ENGINE_ACTOR_ENV  # the engine actor stops its engine itself when retired
     kw = Handoff(cfg, RunLayout(Path(cfg.output_dir)), [2, 30, 58], 0.01).extractor_kwargs()
     assert kw["backend"] == "vllm" and kw["vllm_options"]["tensor_parallel_size"] == 8
     assert kw["vllm_options"]["distributed_executor_backend"] == "ray"
@@ -171,6 +172,7 @@ def test_extraction_resources_without_tensor_parallelism_keep_the_actors_own():
     assert extraction_resources(ExtractionConfig(num_gpus=0.5)) == {"num_cpus": 1.0, "num_gpus": 0.5}
     assert extraction_resources(ExtractionConfig(num_gpus=1, resources={"h200": 1})) == {
         "num_cpus": 1.0, "num_gpus": 1.0, "resources": {"h200": 1.0}}
+    assert "runtime_env" in extraction_resources(ExtractionConfig(backend="vllm"))
 
 
 def test_engine_sources_carry_custom_resources():
