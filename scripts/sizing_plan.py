@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="ASSUMPTION: output tokens/s of one 8-GPU TP8 engine (see docs/sizing.md)")
     p.add_argument("--train-mfu", type=float, default=0.25, help="ASSUMPTION: drafter training MFU")
     p.add_argument("--fill", type=float, default=0.9, help="ASSUMPTION: packed-row fill (bench: 0.95 on 2k rows)")
-    p.add_argument("--epochs", type=float, default=3.0, help="ASSUMPTION: epochs for the 'planned' column")
+    p.add_argument("--epochs", type=float, default=10.0, help="ASSUMPTION: epochs for the 'planned' column")
     p.add_argument("--price-in", type=float, default=0.60, help="ASSUMPTION: USD per 1M prompt tokens")
     p.add_argument("--price-out", type=float, default=3.00, help="ASSUMPTION: USD per 1M completion tokens")
     a = p.parse_args(argv)
