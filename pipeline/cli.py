@@ -31,31 +31,31 @@ def _load(args: argparse.Namespace, check_paths: bool = True) -> RunConfig | Non
 EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_LEFT_TO_DO = 0, 1, 2, 3
 
 
-def _run(args: argparse.Namespace) -> int:
+def _refusals() -> dict[type[Exception], str]:
+    """What `run` refuses to start on, and the word its message starts with (exit EXIT_REFUSED)."""
     from pipeline.config import ConfigError
-    from pipeline.console import Console
     from pipeline.datasets import DatasetError
     from pipeline.manifest import ManifestMismatch
-    from pipeline.run import run
     from pipeline.run_lock import LockHeld
+
+    return {ManifestMismatch: "refusing to resume", LockHeld: "refusing to start", ConfigError: "config error",
+            DatasetError: "input error"}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipeline.console import Console
+    from pipeline.run import run
 
     cfg = _load(args)
     if cfg is None:
         return EXIT_REFUSED
+    refusals = _refusals()
     try:
         # the run's own lines on the console; vLLM, Ray, transformers, torch and the rest in OUTPUT/logs/
         report = run(cfg, Console.for_cli(verbose=args.verbose, title=args.config))
-    except ManifestMismatch as e:
-        print(f"refusing to resume: {e}", file=sys.stderr)
-        return EXIT_REFUSED
-    except LockHeld as e:
-        print(f"refusing to start: {e}", file=sys.stderr)
-        return EXIT_REFUSED
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_REFUSED
-    except DatasetError as e:
-        print(f"input error: {e}", file=sys.stderr)
+    except tuple(refusals) as e:
+        word = next(w for cls, w in refusals.items() if isinstance(e, cls))
+        print(f"{word}: {e}", file=sys.stderr)
         return EXIT_REFUSED
     left = report["not_generated"]
     if left:
