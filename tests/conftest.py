@@ -151,6 +151,34 @@ def ray_session(ray_head: RayHead):
     yield ray
 
 
+# ------------------------------------------------------------------ training tests (unit and Ray Train)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Two OpenMP threads fighting other processes on a 2-core box are ~30x slower than one
+    (training modules use it: ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    from tests.helpers.training import torch_threads
+
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_rows(tiny_target: Path) -> list[dict]:
+    """The pipeline's tiny target (129k vocab): its own greedy continuations of random prompts."""
+    from tests.helpers.training import AUX_IDS, PROMPT_IDS, generated_rows, random_prompts
+
+    return generated_rows(tiny_target, random_prompts(40, PROMPT_IDS[1], (8, 24), seed=1), 32, AUX_IDS)
+
+
+@pytest.fixture(scope="module")
+def target_parts(tiny_target: Path):
+    from training.target import load_target_parts
+
+    return load_target_parts(tiny_target)
+
+
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_target: Path):
     """The session's one directly-called vLLM engine on the tiny target."""

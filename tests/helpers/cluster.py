@@ -148,12 +148,3 @@ class Nodes:
             raise errors[0]
 
 
-def node_of_actors(repr_part: str) -> dict[str, set[str]]:
-    """Node ids of every actor (alive or dead) whose repr contains ``repr_part``, by actor state."""
-    from ray.util.state import list_actors
-
-    out: dict[str, set[str]] = {}
-    for a in list_actors(detail=True, limit=10_000, raise_on_missing_output=False):
-        if repr_part in (a.repr_name or "") or repr_part in (a.class_name or ""):
-            out.setdefault(a.state, set()).add(a.node_id)
-    return out

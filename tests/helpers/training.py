@@ -37,6 +37,17 @@ TINY_TARGET = dict(
     max_position_embeddings=2048,
 )
 TINY_AUX_LAYER_IDS = [1, 2, 3]
+AUX_IDS = [1, 2, 3]  # the pipeline's 4-layer tiny target: the default [2, 2, 1] collides
+PROMPT_IDS = (10, 120_000)  # ordinary tokens of the tiny target's vocab
+
+
+def small_cfg(**kw) -> DraftTrainConfig:
+    """A few-step training config on the pipeline's tiny target."""
+    from training.config import DraftTrainConfig
+
+    base = dict(steps=8, batch_tokens=512, max_len=128, draft_vocab_size=1024, aux_layer_ids=AUX_IDS,
+                ttt_steps=3, lr=2e-3, warmup_steps=2, checkpoint_every=3, log_every=4, shuffle_buffer=16)
+    return DraftTrainConfig(**{**base, **kw})
 
 
 def build_tiny_llama(out_dir: str | Path, seed: int = 0, **overrides) -> Path:

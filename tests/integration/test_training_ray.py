@@ -3,45 +3,24 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers.training import easy_run, generated_rows, kill_worker_at, random_prompts, torch_threads
+from tests.helpers.training import (
+    easy_run,
+    generated_rows,
+    kill_worker_at,
+    random_prompts,
+    small_cfg,
+)
 from training.config import DraftTrainConfig
 from training.export import export_draft, load_exported
-from training.target import load_target_parts
 from training.train import train_drafter, train_loop
 from training.vocab import build_vocab_mapping
 
-AUX_IDS = [1, 2, 3]  # 4-layer target: the default [2, 2, 1] collides
-PROMPT_IDS = (10, 120_000)  # ordinary tokens of the tiny target's vocab
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two OpenMP threads fighting other processes on a 2-core box are ~30x slower than one."""
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny_rows(tiny_target: Path):
-    """The pipeline's tiny target (129k vocab): its own greedy continuations of random prompts."""
-    return generated_rows(tiny_target, random_prompts(40, PROMPT_IDS[1], (8, 24), seed=1), 32, AUX_IDS)
-
-
-@pytest.fixture(scope="module")
-def target_parts(tiny_target: Path):
-    return load_target_parts(tiny_target)
-
-
-def small_cfg(**kw) -> DraftTrainConfig:
-    base = dict(steps=8, batch_tokens=512, max_len=128, draft_vocab_size=1024, aux_layer_ids=AUX_IDS,
-                ttt_steps=3, lr=2e-3, warmup_steps=2, checkpoint_every=3, log_every=4, shuffle_buffer=16)
-    return DraftTrainConfig(**{**base, **kw})
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
-from tests.helpers.training import generated_rows, random_prompts, torch_threads
+from tests.helpers.training import AUX_IDS, small_cfg
 from training.checkpoint import LocalCheckpoints
 from training.config import DraftTrainConfig, default_aux_layer_ids, resolve_aux_layer_ids
 from training.data import Batch, batches, collate, pack_rows, to_sample
@@ -20,7 +19,7 @@ from training.export import export_draft, load_exported
 from training.loss import distill_cross_entropy, shift_left, step_view, ttt_forward, unroll
 from training.model import Eagle3Drafter
 from training.simulate import walk_acceptance
-from training.target import greedy_ids, load_target_parts
+from training.target import greedy_ids
 from training.train import cosine_with_warmup, prepare_drafter, train_loop
 from training.ttt_attention import StepKVCache, cached_step_attention, step0_mask
 from training.vocab import build_vocab_mapping, count_loss_masked_tokens, mapping_from_ids, select_draft_ids
@@ -31,15 +30,9 @@ EXPORT_KEYS = {
     *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
     *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
 }
-AUX_IDS = [1, 2, 3]  # 4-layer target: the default [2, 2, 1] collides
-PROMPT_IDS = (10, 120_000)  # ordinary tokens of the tiny target's vocab
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two OpenMP threads fighting other processes on a 2-core box are ~30x slower than one."""
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_drafter(vocab: int = 50, draft_vocab: int = 20, hidden: int = 32, seed: int = 0) -> Eagle3Drafter:
@@ -308,17 +301,6 @@ def test_rows_are_validated_truncated_and_packed():
 # --------------------------------------------------------------------------- target-backed tests
 
 
-@pytest.fixture(scope="module")
-def tiny_rows(tiny_target: Path):
-    """The pipeline's tiny target (129k vocab): its own greedy continuations of random prompts."""
-    return generated_rows(tiny_target, random_prompts(40, PROMPT_IDS[1], (8, 24), seed=1), 32, AUX_IDS)
-
-
-@pytest.fixture(scope="module")
-def target_parts(tiny_target: Path):
-    return load_target_parts(tiny_target)
-
-
 def test_generated_rows_follow_the_contract(tiny_rows, target_parts):
     row = tiny_rows[0]
     t = len(row["input_ids"])
@@ -375,12 +357,6 @@ def test_walk_acceptance_counts_like_greedy_verification():
     prop[0, 5] = 99  # miss -> t=6; then t=6, t=7 misses; t=8 cannot draft 2 more
     drafts, accepted = walk_acceptance(prop, target_next, start=0)
     assert drafts == 5 and accepted == [2, 1]
-
-
-def small_cfg(**kw) -> DraftTrainConfig:
-    base = dict(steps=8, batch_tokens=512, max_len=128, draft_vocab_size=1024, aux_layer_ids=AUX_IDS,
-                ttt_steps=3, lr=2e-3, warmup_steps=2, checkpoint_every=3, log_every=4, shuffle_buffer=16)
-    return DraftTrainConfig(**{**base, **kw})
 
 
 def test_resume_after_interruption_matches_uninterrupted(tmp_path, tiny_target, target_parts, tiny_rows):
