@@ -324,10 +324,14 @@ def read_journal(path: str | None) -> dict[str, int]:
 def create_ledger(budgets: Mapping[str, int | None] | None = None, *, name: str | None = None,
                   default_budget: int | None = None, health: HealthConfig | None = None,
                   strict: bool = False, spent: Mapping[str, int] | None = None, journal: str | None = None) -> Any:
-    """Start the shared ledger as a Ray actor (no CPU reserved; calls run one at a time)."""
+    """Start the shared ledger as a Ray actor (no CPU reserved; calls run one at a time) on this (the driver's)
+    node: left to Ray, the zero-CPU actor lands on any node, and losing that node fails every source actor's
+    next ledger call, so the whole run. Here it shares the driver's fate and survives the loss of any other node."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    actor_cls = ray.remote(num_cpus=0, max_concurrency=1)(Ledger)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=1, scheduling_strategy=here)(Ledger)
     if name:
         actor_cls = actor_cls.options(name=name, get_if_exists=True)
     return actor_cls.remote(budgets, default_budget=default_budget, health=health, strict=strict, spent=spent,

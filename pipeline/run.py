@@ -67,6 +67,8 @@ def run_logs(layout: RunLayout, console: Console) -> AbstractContextManager[Any]
 
 
 def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
+    from pipeline.sources.chain import wait_for_retired_engines
+
     timings = Timings()
     t_all = time.perf_counter()
     if cfg.model.build_tiny:
@@ -106,6 +108,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
         "series": tally.series,  # snapshots over time (pipeline.throughput), drawn in report.html
     }
     atomic_write_json(layout.report, report)
+    wait_for_retired_engines()  # engines finish stopping before this driver (and a local Ray) exits
     publish_report(cfg, layout, report)  # report.html + the trackers' run summary; never raises
     console.line(format_report(report, layout.root))
     return report

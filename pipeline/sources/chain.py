@@ -73,6 +73,34 @@ def release_placement_groups() -> int:
     return n
 
 
+def wait_for_retired_engines(timeout_s: float = 30.0, poll_s: float = 0.5) -> int:
+    """Wait until this job's engine actors (generators, extractors) have exited; return how many were still
+    alive at the timeout.
+
+    Ray Data retires an actor by dropping its handle; the actor then stops its engine in
+    ``__ray_shutdown__`` (ENGINE_ACTOR_ENV), which takes seconds on a loaded machine. A driver that exits
+    first takes a local Ray down with it and kills the engines mid-cleanup (resource-tracker tracebacks in
+    the logs, shared memory left behind). Best effort: without the state API this returns at once.
+    """
+    import time
+
+    import ray
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            alive = [a for a in list_actors(filters=[("state", "=", "ALIVE"), ("job_id", "=", job)], limit=10_000,
+                                            raise_on_missing_output=False)
+                     if "Generator)" in a.class_name or "Extractor)" in a.class_name]
+        except Exception:
+            return 0
+        if not alive or time.monotonic() >= deadline:
+            return len(alive)
+        time.sleep(poll_s)
+
+
 def engine_resources(cfg: EngineSourceConfig | ExtractionConfig, *, ray_tp: bool = True) -> dict[str, Any]:
     """``map_batches`` resource arguments for an engine actor (see the module doc for TP > 1); the
     extraction actor of an engine backend (pipeline.handoff) is placed the same way.

@@ -113,19 +113,25 @@ class WorkerNode:
         self.proc.wait(10)
         self.killed = True
 
-    def remove(self) -> None:
-        """Kill it (if still up) and wait until Ray no longer counts it; the finalizer of every test."""
-        if not self.killed:
-            self.kill()
-        if self.node_id:
-            self.wait_dead()
+    def stop(self) -> None:
+        """Take a node that is still up away quickly: SIGTERM lets `ray start --block` stop its raylet, which
+        tells the GCS at once (a kill waits out the GCS's health checks, ~15 s); whatever is left is killed."""
+        if self.killed:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
 
 
 class Nodes:
-    """The worker nodes a test added; ``remove_all`` runs in its fixture's finalizer."""
+    """The worker nodes a test added (``remove_all`` runs in its fixture's finalizer), and the cluster's actors as
+    the head's state API (``dashboard``) lists them."""
 
-    def __init__(self, head_address: str, env: Mapping[str, str], temp_dir: Path) -> None:
-        self.head_address, self.env, self.temp_dir = head_address, env, temp_dir
+    def __init__(self, head_address: str, env: Mapping[str, str], temp_dir: Path, dashboard: str) -> None:
+        self.head_address, self.env, self.temp_dir, self.dashboard = head_address, env, temp_dir, dashboard
         self.added: list[WorkerNode] = []
 
     def add(self, *, num_cpus: float = 1, resources: Mapping[str, float] | None = None,
@@ -137,14 +143,65 @@ class Nodes:
         return node
 
     def remove_all(self) -> None:
-        errors = []
+        """Stop every node first, then wait until Ray counts each one dead (so the waits overlap)."""
+        errors: list[Exception] = []
         for node in self.added:
             try:
-                node.remove()
+                node.stop()
             except Exception as e:  # noqa: BLE001 - remove every node, then report
+                errors.append(e)
+        for node in self.added:
+            try:
+                if node.node_id:
+                    node.wait_dead()
+            except Exception as e:  # noqa: BLE001
                 errors.append(e)
         self.added.clear()
         if errors:
             raise errors[0]
 
+    def actor_ids(self) -> set[str]:
+        return actor_ids(self.dashboard)
 
+    def actors_since(self, before: set[str], repr_part: str) -> list[Any]:
+        return actors_since(self.dashboard, before, repr_part)
+
+    @staticmethod
+    def head_node_id() -> str:
+        """The head's node id: this process's driver joined the head before any worker node existed."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+def actors_since(dashboard: str, before: set[str], repr_part: str) -> list[Any]:
+    """Actors (alive or dead) created after the ids in ``before`` whose repr or class contains ``repr_part``
+    (``dashboard``: the head's dashboard URL, which serves the state API)."""
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(address=dashboard, detail=True, limit=10_000, raise_on_missing_output=False)
+            if a.actor_id not in before and (repr_part in (a.repr_name or "") or repr_part in (a.class_name or ""))]
+
+
+def actor_ids(dashboard: str) -> set[str]:
+    """Every actor id the cluster knows now (to tell a run's actors from earlier tests')."""
+    from ray.util.state import list_actors
+
+    return {a.actor_id for a in list_actors(address=dashboard, limit=10_000, raise_on_missing_output=False)}
+
+
+def slow_steps(seconds: float, log_path: str | Path):
+    """An ``after_step`` hook for ``train_drafter`` (picklable): note (step, node id, pid) and sleep, so a test
+    can take the worker's node away between two checkpoints."""
+    import functools
+
+    return functools.partial(_slow_step, seconds, str(log_path))
+
+
+def _slow_step(seconds: float, log_path: str, step: int) -> None:
+    import ray
+
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"step": step, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()})
+                + "\n")
+    time.sleep(seconds)
