@@ -547,6 +547,7 @@ class VLLMStateCapture:
         import torch
         from vllm import LLM
 
+        from pipeline.sources.vllm_source import stop_at_exit
         from training.target import NORM_KEY, read_target_config, read_target_tensor
 
         cfg = read_target_config(model_dir)
@@ -573,14 +574,15 @@ class VLLMStateCapture:
                                 "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)}},
             **{"enforce_eager": True, **engine_kwargs},
         )
+        stop_at_exit(self.llm)
 
     def __del__(self) -> None:
         # As pipeline.sources.engine.EngineSource.__del__: stop the engine while the actor is whole, so its
         # shared memory is unlinked before Ray kills the actor's children (the resource tracker among them).
-        core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        from pipeline.sources.vllm_source import stop_vllm
+
         try:
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
+            stop_vllm(getattr(self, "llm", None))
         except Exception:
             pass
 

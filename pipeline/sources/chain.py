@@ -44,7 +44,9 @@ _PLACEMENT_GROUPS: list[Any] = []  # created in this (driver) process by placeme
 # Python's multiprocessing resource tracker, which then comes back mid-cleanup and prints a KeyError traceback
 # per shared-memory segment. (An actor that dies abruptly is not affected: Ray kills nothing then either, and
 # the engine's processes exit when their parent is gone.) Merged into the job's runtime env, not replacing it.
-ENGINE_ACTOR_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}}
+# vLLM's workers get 30 s rather than 5 to exit when the engine stops (see vllm_source.STOP_TIMEOUT_S).
+ENGINE_ACTOR_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false",
+                                 "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}}
 
 
 def placement_strategy(bundles: int, bundle_resources: Mapping[str, float] | None = None) -> dict[str, Any]:

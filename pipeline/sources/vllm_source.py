@@ -7,6 +7,7 @@ TP bundles whose GPUs vLLM's Ray executor fills with its workers
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from collections.abc import Mapping
@@ -105,11 +106,30 @@ def prefill_groups(lengths: list[int], budget: int | None) -> list[list[int]]:
     return groups
 
 
+# vLLM gives its processes 5 s to exit before it SIGKILLs them; on a loaded node that is too short, and a killed
+# worker leaves its shared memory for the resource tracker ("leaked shared_memory objects" in the logs). The
+# engine-core process reads VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (set for engine actors, ENGINE_ACTOR_ENV);
+# this process waits a little longer than that for the engine core.
+STOP_TIMEOUT_S = 45.0
+
+
 def stop_vllm(llm: Any) -> None:
-    """Stop a ``vllm.LLM``'s engine-core processes now (vLLM otherwise does it at interpreter exit)."""
+    """Stop a ``vllm.LLM``'s engine-core processes now (vLLM otherwise does it at interpreter exit).
+    Idempotent: a stopped engine's client ignores a second call."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+        core.shutdown(timeout=STOP_TIMEOUT_S)
+
+
+def stop_at_exit(llm: Any) -> Any:
+    """Make sure ``llm`` is stopped with our timeout when this process exits, and return it.
+
+    A retired Ray actor does not always drop its stage object before it exits; vLLM's own exit hook then
+    stops the engine with a 5 s grace. Hooks run last-registered first, so this one (registered after
+    vLLM's) stops the engine before vLLM's runs.
+    """
+    atexit.register(stop_vllm, llm)
+    return llm
 
 
 def start_vllm(model_dir: str, cfg: VLLMSourceConfig, seed: int) -> Any:
@@ -122,5 +142,6 @@ def start_vllm(model_dir: str, cfg: VLLMSourceConfig, seed: int) -> Any:
         extra["distributed_executor_backend"] = "ray"
     if cfg.gpu_memory_utilization:
         extra["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    return LLM(model=model_dir, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-               tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager, seed=seed, **extra)
+    return stop_at_exit(LLM(model=model_dir, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                            tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager, seed=seed,
+                            **extra))

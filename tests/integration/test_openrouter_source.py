@@ -232,7 +232,11 @@ def test_ray_actor_pool_with_shared_ledger(ray_session, tmp_path):
     out = [dict(r) for r in out]
     assert_every_prompt_accounted(rows, out)
     st = Counter((r["dataset"], r["status"]) for r in out)
-    assert st[("big", "not_generated")] == 1 and st[("big", "ok")] >= 70, st
+    # the always-502 prompt, and on a loaded machine a few whose retries (timeouts, 5xx) ran out: left to do as
+    # transient, never quarantined
+    big_left = [r for r in out if r["dataset"] == "big" and r["status"] == "not_generated"]
+    assert 1 <= len(big_left) <= 6 and all(r["failure_class"] == "transient" for r in big_left), big_left
+    assert st[("big", "ok")] >= 70, st
     assert st[("small", "not_generated")] > 0 and st[("small", "ok")] >= 5, st
     by_id = {r["sample_id"]: r for r in out}
     assert by_id["big:0"]["status"] == "quarantined" and by_id["big:2"]["status"] == "not_generated"
