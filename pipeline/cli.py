@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_status)
     p = sub.add_parser("build-tiny", help="build the tiny CPU target model folder")
     p.add_argument("out")
-    p.add_argument("--variant", choices=["well-formed", "wild"], default="well-formed",
-                   help="well-formed: clean reasoning-model behaviour; wild: random format tokens")
+    p.add_argument("--variant", choices=["well-formed", "wild", "trained"], default="well-formed",
+                   help="well-formed: clean reasoning-model behaviour; wild: random format tokens; "
+                        "trained: trained on shop arithmetic (about a minute on 2 cores)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(fn=_build_tiny)
     sub.add_parser("audit", help="audit sample shards (see `audit --help`)")

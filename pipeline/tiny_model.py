@@ -22,8 +22,12 @@ it a useful stand-in for a reasoning model:
   thinking on, none with thinking off, and never a tool-call marker: a clean
   run passes every check. The ``wild`` variant feeds the checks and the
   rebuild oracle their hard cases.
+* The ``trained`` variant is the same shape trained for about a minute on a narrow synthetic
+  domain (shop arithmetic, tiny_domain.py; how, in tiny_trained.py): peaked next-token
+  distributions like a real model's, on prompts of that domain.
 
-The same call always writes byte-identical ``model.safetensors``.
+The same call always writes byte-identical ``model.safetensors`` (the trained variant: with the
+same torch on the same kind of CPU).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ EOS_BIAS = 17.0
 THINK_END_BIAS = 17.5
 TOOL_MARKER_BIAS = 14.5
 
-VARIANTS = ("well-formed", "wild")
+VARIANTS = ("well-formed", "wild", "trained")
 # Well-formed variant: state channels, constant through the layers like the bias channel.
 STATE_CHANNEL = 1  # +value on reasoning tokens and <think>, -value on everything else
 CLOSED_CHANNEL = 2  # +value on </think> only
@@ -200,8 +204,18 @@ def build_tiny_target(out_dir: str | Path, *, variant: str = "well-formed", forc
     marker = out / "model.safetensors"
     if built_variant(out) == variant and not force:
         return out  # every run calls this: the check must not pay for building the weights
-    weights = _tiny_weights(variant)
+    report = None
+    if variant == "trained":
+        from pipeline.tiny_trained import build_weights
+
+        weights, report = build_weights(tiny_config(variant))
+    else:
+        weights = _tiny_weights(variant)
     out.mkdir(parents=True, exist_ok=True)
+    if report is not None:  # how the training went; not part of the model (no digest reads it)
+        atomic_write_json(out / "build_report.json", report)
+    else:
+        (out / "build_report.json").unlink(missing_ok=True)  # left by a trained build this one replaces
     # Each file whole (a test session may read the folder while another builds it); the weights,
     # which mark the folder complete, last.
     atomic_write_json(out / "config.json", tiny_config(variant))

@@ -61,6 +61,14 @@ def clean_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_target(tmp_path_factory.mktemp("clean-target"), variant="well-formed")
 
 
+@pytest.fixture(scope="session")
+def trained_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained tiny target (shop arithmetic, peaked distributions): a few minutes to build, once a session."""
+    from pipeline.tiny_model import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("trained-target"), variant="trained")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
