@@ -26,7 +26,7 @@ ITEMS = ("apples", "pears", "stamps", "marbles", "books", "shells", "cookies", "
          "plums", "buttons", "stickers", "candles", "lemons", "beads")
 SYSTEMS = ("You are a patient maths tutor.", "You help children with shop sums.",
            "Answer shop questions briefly.")
-PROMPTS_SEED, PROMPTS_ROWS = 4242, 48  # data/prompts/shop.jsonl: a stream training never draws from
+PROMPTS_SEED, PROMPTS_ROWS = 4242, 160  # data/prompts/shop.jsonl: a stream training never draws from
 THINKING_SHARE = 0.75  # the rest is generated with thinking off
 SYSTEM_SHARE = 0.3
 

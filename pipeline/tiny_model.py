@@ -97,7 +97,20 @@ def tiny_config(variant: str = "well-formed") -> dict:
         # the DeepSeek pre-tokenizer for Mistral's broken regex and warns on every load.
         "transformers_version": "5.0.0",
         "tiny_target_variant": variant,
+        "tiny_target_recipe": recipe(variant),
     }
+
+
+def recipe(variant: str) -> str:
+    """A digest of the code that makes a variant's weights: a cached folder built by other code is rebuilt
+    (the trained variant's steps, data or init may have changed since it was built)."""
+    here = Path(__file__).parent
+    files = [here / "tiny_model.py"] + ([here / "tiny_trained.py", here / "tiny_domain.py"]
+                                       if variant == "trained" else [])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _tiny_weights(variant: str = "well-formed") -> dict[str, torch.Tensor]:
@@ -191,6 +204,10 @@ def built_variant(model_dir: str | Path) -> str | None:
     return config.get("tiny_target_variant", "wild")  # folders built before variants existed are wild
 
 
+def _built_recipe(model_dir: Path) -> str | None:
+    return json.loads((model_dir / "config.json").read_text()).get("tiny_target_recipe")
+
+
 def build_tiny_target(out_dir: str | Path, *, variant: str = "well-formed", force: bool = False) -> Path:
     """Write the tiny target model folder (config, safetensors, tokenizer, template).
 
@@ -202,7 +219,7 @@ def build_tiny_target(out_dir: str | Path, *, variant: str = "well-formed", forc
         raise ValueError(f"unknown tiny target variant {variant!r} (known: {', '.join(VARIANTS)})")
     out = Path(out_dir)
     marker = out / "model.safetensors"
-    if built_variant(out) == variant and not force:
+    if built_variant(out) == variant and _built_recipe(out) == recipe(variant) and not force:
         return out  # every run calls this: the check must not pay for building the weights
     report = None
     if variant == "trained":

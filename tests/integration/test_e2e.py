@@ -29,7 +29,7 @@ def tiny_run(tmp_path_factory, repo_root: Path, clean_target: Path, ray_session)
     from pipeline.run import run
 
     out = tmp_path_factory.mktemp("run")
-    cfg = load_config(repo_root / "configs" / "tiny.yaml", base_dir=repo_root)
+    cfg = load_config(repo_root / "configs" / "tiny_formats.yaml", base_dir=repo_root)
     cfg.output_dir = str(out)
     cfg.model.path = str(clean_target)
     cfg.datasets.append(DatasetConfig(name="malformed", path=str(repo_root / "tests/data/malformed_messages.jsonl")))

@@ -111,10 +111,13 @@ def test_relative_paths_default_to_cwd(workdir, monkeypatch):
     assert cfg.datasets[0].path == str(workdir / "prompts/chat.jsonl")
 
 
-def test_shipped_tiny_config_loads():
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", base_dir=ROOT)
-    assert {d.name for d in cfg.datasets} == {"chat", "code", "math", "tools", "tools_glaive"}
-    assert all(Path(d.path).is_file() for d in cfg.datasets)
+def test_shipped_tiny_configs_load():
+    quick = load_config(ROOT / "configs" / "tiny.yaml", base_dir=ROOT)
+    assert (quick.model.tiny_variant, [d.name for d in quick.datasets]) == ("trained", ["shop", "shop_plain"])
+    formats = load_config(ROOT / "configs" / "tiny_formats.yaml", base_dir=ROOT)
+    assert formats.model.tiny_variant == "well-formed"
+    assert {d.name for d in formats.datasets} == {"chat", "code", "math", "tools", "tools_glaive"}
+    assert all(Path(d.path).is_file() for d in quick.datasets + formats.datasets)
 
 
 # -- unknown keys ---------------------------------------------------------------

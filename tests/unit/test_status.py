@@ -14,7 +14,7 @@ from pipeline.status import collect_status, format_status
 
 @pytest.fixture
 def cfg(repo_root: Path, tmp_path: Path):
-    cfg = load_config(repo_root / "configs" / "tiny.yaml", base_dir=repo_root, check_paths=False)
+    cfg = load_config(repo_root / "configs" / "tiny_formats.yaml", base_dir=repo_root, check_paths=False)
     cfg.output_dir = str(tmp_path / "out")
     model = tmp_path / "model"
     model.mkdir()

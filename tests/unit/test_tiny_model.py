@@ -14,6 +14,7 @@ from pipeline.tiny_model import (
     TOOL_MARKER_IDS,
     build_tiny_target,
     built_variant,
+    recipe,
     weights_digest,
 )
 from pipeline.validate import check_structure, check_tool_semantics
@@ -35,6 +36,15 @@ def test_variants_are_recorded_and_rebuilt_on_change(tmp_path, tiny_target):
     build_tiny_target(tmp_path)  # the default variant replaces the other one
     assert built_variant(tmp_path) == "well-formed" and weights_digest(tmp_path) != wild
     assert json.loads((tmp_path / "config.json").read_text())["tiny_target_variant"] == "well-formed"
+    # a folder built by other code (another recipe) is rebuilt; one built by this code is kept
+    stamp = (tmp_path / "model.safetensors").stat().st_mtime_ns
+    build_tiny_target(tmp_path)
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == stamp
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tiny_target_recipe": "built-by-older-code"}))
+    build_tiny_target(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tiny_target_recipe"] == recipe("well-formed")
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns != stamp
     with pytest.raises(ValueError, match="unknown tiny target variant 'tame'"):
         build_tiny_target(tmp_path / "x", variant="tame")
     assert not (tmp_path / "x").exists()
