@@ -326,3 +326,44 @@ def test_losing_the_train_workers_node_resumes_from_its_checkpoint_on_another(
         torch.testing.assert_close(exported.trainable_state_dict()[k], v, rtol=0, atol=0, msg=k)
     print(f"train worker: steps {before_loss[0]['step']}-{before_loss[-1]['step']} on the lost node, "
           f"{first_again}-{cfg.steps} on the survivor (checkpoint committed at kill: step {committed})")
+
+
+ENGINE = "TransformersGenerator"  # a local engine source's actor, cheap enough to run on a 1-CPU worker node
+
+
+def test_losing_the_engine_node_mid_run_restarts_the_engine_elsewhere(tmp_path, repo_root, clean_target, env,
+                                                                       nodes):
+    """A local engine source pinned by `resources: {engine_node: 1}` runs only on the nodes that carry it (never
+    on the head). The node holding the engine actor is killed while it generates: Ray restarts the actor, with a
+    fresh engine, on the other engine node and re-runs the lost batches; the run finishes with every row exactly
+    once. (Half a CPU: the pipeline's small stage actors may take a slice of a 1-CPU node; on a cluster the engine
+    asks for GPUs, which they never take.)"""
+    import yaml
+
+    a, b = nodes.add(num_cpus=1, resources={"engine_node": 1}), nodes.add(num_cpus=1, resources={"engine_node": 1})
+    by_id = {a.node_id: a, b.node_id: b}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "out"),
+        "model": {"profile": "deepseek", "path": str(clean_target)},
+        "sampling": {"max_tokens": 96, "temperature": 1.0, "seed": 0},
+        "datasets": [{"name": "chat", "path": str(repo_root / "data/prompts/chat.jsonl"), "max_rows": ROWS}],
+        "sources": [{"kind": "transformers", "name": "hf", "num_actors": 1, "num_cpus": 0.5, "batch_size": 2,
+                     "resources": {"engine_node": 1}}],
+        "training": None,
+    }))
+    before = nodes.actor_ids()
+    driver = start_run(cfg, env)
+    holder = next(iter(wait_for(lambda: alive_on(nodes, before, ENGINE), 300, "alive engine actor", driver).values()))
+    time.sleep(3)  # the engine is loaded and generating its first batches
+    lost: WorkerNode = by_id[holder]
+    lost.kill()
+    text, _ = driver.communicate(timeout=600)
+    assert driver.returncode == 0, text[-4000:]
+    survivor = b if lost is a else a
+    engines = nodes.actors_since(before, ENGINE)
+    assert len(engines) == 1 and engines[0].num_restarts >= 1, [(e.state, e.num_restarts) for e in engines]
+    assert engines[0].node_id == survivor.node_id, "the restarted engine actor runs on the other engine node"
+    st = check_accounting(cfg, expect_to_do=0)
+    t = st["totals"]
+    print(f"rows {t['rows']}: passed {t['passed']}, quarantined {t['quarantined']}, to do {t['to_do']}")
