@@ -132,6 +132,18 @@ def test_http_source_actors_run_only_on_the_node_with_their_resource(tmp_path, r
     print(spend_line(cfg, billed, budget, st))
 
 
+def pinned_api_run(tmp_path: Path, repo_root: Path, tiny_target: Path, env: dict[str, str]
+                   ) -> tuple[Path, int, Server]:
+    """(config, budget, server) of a run whose HTTP source needs `api_node`, against a slow server (1 s a
+    request). The budget has room for the requests in flight on a lost node (max_in_flight 4): they stay
+    reserved, as billed."""
+    budget = (ROWS + 4) * MAX_TOKENS
+    port = free_port()
+    cfg = write_config(tmp_path, repo_root, tiny_target, port, budget=budget, resources={"api_node": 1},
+                       request_timeout_s=30.0)
+    return cfg, budget, Server(tmp_path, port, "--delay-ms", "1000", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
+
+
 def test_losing_the_http_node_mid_run_moves_its_actor_and_nothing_is_lost_or_doubled(
         tmp_path, repo_root, tiny_target, env, nodes):
     """Two nodes carry `api_node`; the one holding the source's actor is killed after the API served some
@@ -139,13 +151,8 @@ def test_losing_the_http_node_mid_run_moves_its_actor_and_nothing_is_lost_or_dou
     lost batches: the run finishes, each row once, and the stranded reservations keep the bill under the cap."""
     a, b = nodes.add(num_cpus=1, resources={"api_node": 1}), nodes.add(num_cpus=1, resources={"api_node": 1})
     by_id = {a.node_id: a, b.node_id: b}
-    # room for the requests in flight on the lost node (max_in_flight 4): they stay reserved, as billed
-    budget = (ROWS + 4) * MAX_TOKENS
-    port = free_port()
-    cfg = write_config(tmp_path, repo_root, tiny_target, port, budget=budget, resources={"api_node": 1},
-                       request_timeout_s=30.0)
     before = nodes.actor_ids()
-    server = Server(tmp_path, port, "--delay-ms", "1000", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
+    cfg, budget, server = pinned_api_run(tmp_path, repo_root, tiny_target, env)
     try:
         driver = start_run(cfg, env)
         holder = next(iter(wait_for(lambda: alive_on(nodes, before, FLIGHT), 300, "alive HTTP actor", driver).values()))
@@ -174,12 +181,8 @@ def test_losing_the_only_http_node_waits_for_a_replacement_then_finishes(
     waits for a node to place it on: the run neither fails nor spends meanwhile (on a cluster the autoscaler
     starts a replacement). A replacement node joins; the run finishes there, each row once, under the cap."""
     first = nodes.add(num_cpus=1, resources={"api_node": 1})
-    budget = (ROWS + 4) * MAX_TOKENS
-    port = free_port()
-    cfg = write_config(tmp_path, repo_root, tiny_target, port, budget=budget, resources={"api_node": 1},
-                       request_timeout_s=30.0)
     before = nodes.actor_ids()
-    server = Server(tmp_path, port, "--delay-ms", "1000", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
+    cfg, budget, server = pinned_api_run(tmp_path, repo_root, tiny_target, env)
     try:
         driver = start_run(cfg, env)
         wait_for(lambda: server.counts().get("served", 0) >= 4, 300, "4 served requests", driver, poll=0.05)
