@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/bench_extract.py [--models tiny,medium] [--samples 96] [--threads 1] [--vllm]
 
-"bare" runs only the decoder (no hooks, no copies) over exactly the groups the
-extractor forms; "extract" is the actor's whole call (``HiddenStateExtractor``
+"bare" runs only what cannot be skipped (the decoder, and the target's full-vocab
+argmax at real positions from the final states: no hooks, no copies) over exactly
+the groups the extractor forms; "extract" is the actor's whole call (``HiddenStateExtractor``
 on a pyarrow batch of sample rows: hooks, NaN/shape checks, numpy rows, the
 Arrow training table, stats file). Both count real (unpadded) tokens; after
 one untimed round of each, runs alternate ``--repeats`` times; the ratio uses
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.extract import HiddenStateExtractor, right_pad, token_batches  # noqa: E402
 from pipeline.hidden_shards import shard_meta, write_shards  # noqa: E402
+from training.target import greedy_ids  # noqa: E402
 
 MODELS = {
     # name: build overrides for tests.helpers.training.build_tiny_llama (None = the pipeline's tiny target)
@@ -55,10 +57,12 @@ def sample_rows(n: int, vocab: int, seed: int, lo: int = 32, hi: int = 768) -> l
 
 
 def bare_forward(model, seqs: list[list[int]], groups: list[list[int]]) -> None:
-    base = model.model
+    base, lm_head = model.model, model.lm_head.weight
     with torch.inference_mode():
         for g in groups:
-            base(input_ids=torch.from_numpy(right_pad([seqs[i] for i in g])), use_cache=False)
+            final = base(input_ids=torch.from_numpy(right_pad([seqs[i] for i in g])), use_cache=False).last_hidden_state
+            real = torch.arange(final.shape[1])[None, :] < torch.tensor([len(seqs[i]) for i in g])[:, None]
+            greedy_ids(final[real], lm_head)
 
 
 def bench_model(name: str, model_dir: str, args, work: Path) -> dict:
@@ -124,16 +128,20 @@ def bench_vllm(model_dir: str, args) -> dict:
     got = list(engine(seqs, []))
     run_s = time.perf_counter() - t0
     model = load_target(model_dir)[0]
-    worst = 0.0
+    worst, same_ids = 0.0, 0
     for c in got:
         assert c.error is None, c.error
         (i,) = c.indices
         aux_ref, final_ref = capture(model, [seqs[i]], aux)[0]
         ref = np.concatenate([aux_ref, final_ref], axis=-1)
         worst = max(worst, float(np.abs(c.states[0].float().numpy() - ref).max() / np.abs(ref).max()))
+        with torch.inference_mode():
+            greedy = model(torch.tensor([seqs[i]])).logits[0].argmax(-1)
+        same_ids += int((c.target_ids[0] == greedy).sum())
     tokens = sum(map(len, seqs))
     return {"backend": "vllm extract_hidden_states", "engine_start_s": round(start_s, 1), "samples": len(seqs),
-            "tokens": tokens, "tokens_per_s": round(tokens / run_s, 1), "max_rel_diff_vs_transformers": worst}
+            "tokens": tokens, "tokens_per_s": round(tokens / run_s, 1), "max_rel_diff_vs_transformers": worst,
+            "target_ids_agree_with_transformers": round(same_ids / tokens, 5)}
 
 
 def main() -> None:

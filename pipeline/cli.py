@@ -72,6 +72,9 @@ def _check(args: argparse.Namespace) -> int:
         return 2
     print(f"{args.config}: ok — {len(cfg.datasets)} datasets, sources "
           f"{[f'{s.kind}:{s.name}' for s in cfg.sources]}, output {cfg.output_dir}")
+    from pipeline.console import describe_training
+
+    print(f"training: {describe_training(cfg.training, 'training' in cfg.model_fields_set)}")
     from pipeline.sizing import sizing_note
 
     print(sizing_note(cfg.model, cfg.extraction))

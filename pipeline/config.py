@@ -176,6 +176,10 @@ class ExtractionConfig(Strict):
     # storage dtype of the captured states, in shards and in rows streamed to training: bfloat16 halves the
     # bytes and is lossless for states captured in bf16 (GPU)
     shard_dtype: Literal["float32", "bfloat16"] = "float32"
+    # store the target's full-vocab argmax per token, computed next to the states on the extraction device, so
+    # training never multiplies by the full lm_head (false: each training worker computes it once per sample; for
+    # an extraction actor without a GPU of its own, e.g. a vllm engine with TP > 1)
+    target_ids: bool = True
     num_actors: int = 1
     num_cpus: float = 1.0
     num_gpus: float = 0.0

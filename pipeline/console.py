@@ -158,14 +158,27 @@ def describe_source(src: Any) -> str:
     return f"{src.name} ({', '.join(bits)})"
 
 
+def describe_training(training: Any, stated: bool) -> str:
+    """``80 steps, 3 TTT steps, draft vocab 256, 10% held out``; ``off`` for ``training: null``. A config with
+    no ``training:`` section trains with the defaults, which this says, with how to turn training off."""
+    if training is None:
+        return "off (training: null)"
+    held = f", {training.heldout_fraction:.0%} held out" if training.heldout_fraction else ""
+    text = (f"{training.steps:,} steps, {training.ttt_steps} TTT steps, draft vocab {training.draft_vocab_size:,}"
+            f"{held}")
+    return text if stated else f"{text} (defaults: the config has no training section; training: null turns it off)"
+
+
 def header_lines(title: str, datasets: Sequence[tuple[str, int]], sources: Sequence[str], output: str | Path,
-                 resumed_done: int, to_do: int, logs: str | Path | None) -> list[str]:
-    """The lines a run starts with: what it reads, who generates, where it writes, what a resume skips."""
+                 resumed_done: int, to_do: int, logs: str | Path | None, training: str | None = None) -> list[str]:
+    """The lines a run starts with: what it reads, who generates, what it trains, where it writes, what a
+    resume skips."""
     rows = sum(n for _, n in datasets)
     lines = [
         f"pipeline run {title}",
         f"  datasets  {', '.join(f'{name} {n}' for name, n in datasets)} ({rows} rows)",
         f"  sources   {', '.join(sources)}",
+        *([f"  training  {training}"] if training else []),
         f"  output    {output}",
         f"  resume    {resumed_done} rows already done, {to_do} to do" if resumed_done else
         f"  to do     {to_do} prompts",

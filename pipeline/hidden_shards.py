@@ -87,13 +87,19 @@ def encode_rows(rows: list[dict[str, Any]], meta: dict[str, Any]) -> pa.Table:
         n = len(r["input_ids"])
         if a.shape != (n, n_aux * hidden) or f.shape != (n, hidden) or len(r["loss_mask"]) != n:
             raise ValueError(f"row {r['sample_id']!r}: shapes {a.shape}/{f.shape} do not match {n} tokens x {hidden}")
-    table = pa.table({
+    cols = {
         "sample_id": pa.array([str(r["sample_id"]) for r in rows], pa.string()),
         "input_ids": _flat_list([np.asarray(r["input_ids"], np.int32) for r in rows], pa.int32(), False),
         "loss_mask": _flat_list([np.asarray(r["loss_mask"], np.int8) for r in rows], pa.int8(), False),
         "aux_hidden": _flat_list(aux, value_type, True),
         "final_hidden": _flat_list(final, value_type, True),
-    })
+    }
+    if rows and all(r.get("target_ids") is not None for r in rows):  # optional: training computes it when absent
+        targets = [np.asarray(r["target_ids"], np.int32) for r in rows]
+        if any(len(t) != len(r["input_ids"]) for t, r in zip(targets, rows, strict=True)):
+            raise ValueError("target_ids and input_ids lengths differ")
+        cols["target_ids"] = _flat_list(targets, pa.int32(), False)
+    table = pa.table(cols)
     return table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
 
 
@@ -108,7 +114,9 @@ def decode_table(table: pa.Table) -> Iterator[dict[str, Any]]:
     """Rows in the training contract (float32 states), read zero-copy where the dtype allows."""
     meta = table_meta(table.schema)
     hidden, n_aux, bf16 = meta["hidden_size"], len(meta["aux_layer_ids"]), meta["dtype"] == "bfloat16"
-    cols = {k: table.column(k).combine_chunks() for k in ("input_ids", "loss_mask", "aux_hidden", "final_hidden")}
+    keys = ["input_ids", "loss_mask", "aux_hidden", "final_hidden"]
+    keys += ["target_ids"] if "target_ids" in table.column_names else []
+    cols = {k: table.column(k).combine_chunks() for k in keys}
     flat = {k: (c.offsets.to_numpy(), c.values.to_numpy(zero_copy_only=False)) for k, c in cols.items()}
     ids = table.column("sample_id").to_pylist()
 
@@ -121,9 +129,12 @@ def decode_table(table: pa.Table) -> Iterator[dict[str, Any]]:
         return from_bf16_bits(a) if bf16 else a
 
     for j, sid in enumerate(ids):
-        yield {"sample_id": sid, "input_ids": cut("input_ids", j, None).astype(np.int64),
+        row = {"sample_id": sid, "input_ids": cut("input_ids", j, None).astype(np.int64),
                "loss_mask": cut("loss_mask", j, None), "aux_hidden": cut("aux_hidden", j, n_aux * hidden),
                "final_hidden": cut("final_hidden", j, hidden)}
+        if "target_ids" in cols:
+            row["target_ids"] = cut("target_ids", j, None)
+        yield row
 
 
 def read_shard(path: str | Path) -> pa.Table:
@@ -289,7 +300,8 @@ def hidden_shards_dataset(out_dir: str | Path):
 
 
 def _rows_from_batch(batch: dict[str, np.ndarray]) -> list[dict[str, Any]]:
-    keys = ("sample_id", "input_ids", "loss_mask", "aux_hidden", "final_hidden")
+    keys = ("sample_id", "input_ids", "loss_mask", "aux_hidden", "final_hidden", "target_ids")
+    keys = tuple(k for k in keys if k in batch)
     return [dict(zip(keys, vals, strict=True)) for vals in zip(*(batch[k] for k in keys), strict=True)]
 
 

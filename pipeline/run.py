@@ -24,6 +24,7 @@ from pipeline.console import (
     Console,
     GenerateSnapshot,
     describe_source,
+    describe_training,
     duration,
     generate_line,
     header_lines,
@@ -84,7 +85,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     console.line("\n".join(header_lines(
         console.title or str(layout.root), [(d.name, counts[f"{d.name}.rows"]) for d in cfg.datasets],
         [describe_source(s) for s in cfg.sources], layout.root, counts["resumed_done"], len(prompts),
-        layout.logs if console.capture else None)))
+        layout.logs if console.capture else None, describe_training(cfg.training, "training" in cfg.model_fields_set))))
     t0 = time.perf_counter()
     init_ray(cfg)
     timings.add("ray_init", t0)

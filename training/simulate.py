@@ -80,7 +80,8 @@ def simulate_acceptance(
     k: int = 3,
 ) -> AcceptanceStats:
     """Acceptance of `drafter` on rows of the extraction contract whose loss-masked part is the
-    target's greedy continuation of the prompt (decoding starts at the last prompt token)."""
+    target's greedy continuation of the prompt (decoding starts at the last prompt token). The
+    target's choices are the rows' ``target_ids`` where present, else ``final_hidden @ lm_head.T``."""
     drafter = drafter.eval()
     drafts, accepted = 0, [0] * k
     for row in rows:
@@ -95,7 +96,8 @@ def simulate_acceptance(
         if start < 0:
             raise ValueError("row must have at least one prompt token before its response")
         proposals = propose_all(drafter, ids, aux, k).numpy()
-        target_next = greedy_ids(final, lm_head).numpy()
+        stored = row.get("target_ids")  # the extraction's argmax, when it computed one
+        target_next = np.asarray(stored, np.int64) if stored is not None else greedy_ids(final, lm_head).numpy()
         d, acc = walk_acceptance(proposals, target_next, start)
         drafts += d
         accepted = [a + b for a, b in zip(accepted, acc, strict=True)]

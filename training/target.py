@@ -87,6 +87,16 @@ def read_target_tensor(target_dir: str | Path, key: str) -> torch.Tensor:
         return fh.get_tensor(stored)
 
 
+def read_lm_head(target_dir: str | Path) -> torch.Tensor:
+    """The output projection as stored: ``lm_head``, or the embeddings of a model that ties them."""
+    try:
+        return read_target_tensor(target_dir, LM_HEAD_KEY)
+    except KeyError:
+        if not read_target_config(target_dir).get("tie_word_embeddings", False):
+            raise
+        return read_target_tensor(target_dir, EMBED_KEY)
+
+
 def load_target_parts(target_dir: str | Path) -> TargetParts:
     """Load embeddings, lm_head (tied embeddings allowed) and final norm as float32 CPU tensors."""
     target_dir = Path(target_dir)

@@ -7,6 +7,7 @@ batch in epoch), so a resumed run replays exactly the batches an uninterrupted r
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -87,13 +88,18 @@ def prepare_drafter(cfg: DraftTrainConfig, target: TargetParts, vocab: VocabMapp
 
 
 class TargetIdsCache:
-    """Full-vocab target argmax per row, computed once per sample_id (rows repeat every epoch),
-    on the training device: a (T, V) product over a real vocab is too slow on a CPU."""
+    """Full-vocab target argmax for rows that lack the extraction's ``target_ids``: computed once per
+    sample_id (rows repeat every epoch), on the training device, whose copy of the full ``lm_head`` is
+    made only then."""
 
     def __init__(self, lm_head: torch.Tensor, device: torch.device) -> None:
-        self.lm_head = lm_head.to(device)
+        self.cpu_lm_head = lm_head
         self.device = device
         self.cache: dict[str, np.ndarray] = {}
+
+    @functools.cached_property
+    def lm_head(self) -> torch.Tensor:
+        return self.cpu_lm_head.to(self.device)
 
     def sample(self, row: dict, max_len: int):
         key = row.get("sample_id")

@@ -63,6 +63,7 @@ def test_console_shows_the_run_and_nothing_else(quiet, run_config: Path):
     # header
     assert lines[0] == f"pipeline run {run_config}"
     assert any(ln.startswith("  datasets  chat 8, code 4 (12 rows)") for ln in lines), out
+    assert any(ln.startswith("  training  6 steps, ") for ln in lines), out
     assert any(ln.strip().startswith("logs") and "/logs/" in ln for ln in lines), out
     # one progress display per phase, each ending with a final line
     assert any(re.match(r"\[generate\] 12/12 done in \S+ \(\d+ passed", ln) for ln in lines), out

@@ -31,16 +31,17 @@ def test_argmax_of_captured_final_states_reproduces_vllm_greedy_output(tiny_llm,
              "prompt_assistant_mask": r.assistant_mask, "output_ids": list(o.outputs[0].token_ids)}
             for j, (r, o) in enumerate(zip(rendered, outs, strict=True))]
     model = load_target(str(tiny_target))[0]
-    got, bad, _ = extract_rows(rows, lambda s, g: capture_groups(model, s, g, [1, 2, 3]), max_len=2048,
+    lm_head = model.lm_head.weight.detach()
+    got, bad, _ = extract_rows(rows, lambda s, g: capture_groups(model, s, g, [1, 2, 3], lm_head), max_len=2048,
                                too_long="truncate", batch_tokens=256, hidden=128, n_aux=3)
     assert not bad
     by_id = {r["sample_id"]: r for r in got}
-    lm_head = model.lm_head.weight.detach()
     for row in rows:
         g = by_id[row["sample_id"]]
         p, n = len(row["prompt_ids"]), len(row["output_ids"])
         with torch.inference_mode():
             predicted = (torch.from_numpy(g["final_hidden"][p - 1: p + n - 1]) @ lm_head.T).argmax(-1).tolist()
         assert predicted == row["output_ids"], row["sample_id"]
+        assert g["target_ids"][p - 1: p + n - 1].tolist() == row["output_ids"]  # what extraction stores
         assert g["loss_mask"][p:].all() and np.array_equal(g["loss_mask"][:p], row["prompt_assistant_mask"])
     assert sum(len(r["output_ids"]) for r in rows) > 100

@@ -17,6 +17,7 @@ from pipeline.console import (
     GenerateSnapshot,
     TrainWatch,
     describe_source,
+    describe_training,
     duration,
     eta,
     extract_line,
@@ -31,6 +32,9 @@ from pipeline.console import (
 )
 from pipeline.layout import RunLayout
 from pipeline.logs import Repeats, RunLogs, component_of, repeat_key, worker_component
+from training.config import DraftTrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_duration_and_quantity():
@@ -86,6 +90,19 @@ def test_header_lines():
     assert "  to do     34 prompts" in lines and lines[-1].startswith("  logs      /tmp/out/logs/")
     resumed = header_lines("c.yaml", [("chat", 20)], [], "/o", 12, 8, None)
     assert "  resume    12 rows already done, 8 to do" in resumed and not any("logs" in x for x in resumed)
+
+
+def test_the_header_says_what_trains_and_when_training_is_only_defaulted():
+    from pipeline.config import load_config
+
+    lines = header_lines("c.yaml", [("chat", 20)], ["s"], "/o", 0, 20, None, "80 steps, 3 TTT steps")
+    assert lines[3] == "  training  80 steps, 3 TTT steps"
+    cfg = load_config(REPO / "configs/tiny.yaml", check_paths=False)
+    assert describe_training(cfg.training, True) == "80 steps, 3 TTT steps, draft vocab 256, 10% held out"
+    defaulted = describe_training(DraftTrainConfig(), False)
+    assert defaulted.startswith("1,000 steps, 7 TTT steps, draft vocab 32,000, 2% held out (defaults: ")
+    assert "training: null turns it off" in defaulted
+    assert describe_training(None, True) == "off (training: null)"
 
 
 def test_describe_source_from_any_config():

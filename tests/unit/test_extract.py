@@ -331,6 +331,11 @@ def test_extractor_actor_rows_quarantine_and_stats(tiny_target, tmp_path):
     aux, final = capture(actor.model, [rows[0]["prompt_ids"] + rows[0]["output_ids"]], AUX)[0]
     np.testing.assert_allclose(np.asarray(got["s0"]["aux_hidden"]), aux, rtol=1e-5, atol=1e-5)
     assert np.asarray(got["s0"]["loss_mask"]).tolist() == [0, 0] + [1] * 28
+    # the target's own greedy choice at every position, from its full forward (logits included)
+    seq = rows[0]["prompt_ids"] + rows[0]["output_ids"]
+    with torch.no_grad():
+        logits = actor.model(torch.tensor([seq])).logits[0]
+    assert np.asarray(got["s0"]["target_ids"]).tolist() == logits.argmax(-1).tolist()
     quarantined = pq.read_table(tmp_path / "quarantine").to_pylist()
     assert [(q["sample_id"], q["stage"]) for q in quarantined] == [("s2", "extract")]
     assert quarantined[0]["reason"] == "too_long: 70 tokens exceed extraction.max_len 64"
@@ -339,5 +344,5 @@ def test_extractor_actor_rows_quarantine_and_stats(tiny_target, tmp_path):
     assert stats["peak_rss_mb"] > 100 and stats["convention"] == HIDDEN_CONVENTION
     assert stats["aux_layer_ids"] == AUX and stats["bytes_per_token"] == 4 * 128 * 4 and stats["device"] == "cpu"
     empty = actor(pa.Table.from_pylist([rows[2]]))
-    assert empty.num_rows == 0 and empty.schema == training_table([]).schema == table.schema
+    assert empty.num_rows == 0 and empty.schema == training_table([], target_ids=True).schema == table.schema
     assert read_extract_stats(tmp_path / "stats")["quarantined"] == {"too_long": 2}

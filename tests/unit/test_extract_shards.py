@@ -63,6 +63,22 @@ def test_fp32_round_trip_is_exact_and_carries_the_convention(rows, tmp_path):
         assert b["aux_hidden"].dtype == np.float32 and b["input_ids"].dtype == np.int64
 
 
+def test_target_ids_travel_with_the_shard_when_the_extraction_computed_them(rows, tmp_path):
+    """Extraction's full-vocab argmax column round-trips; shards written without it still read (training
+    then computes it)."""
+    rng = np.random.default_rng(1)
+    with_ids = [{**r, "target_ids": rng.integers(0, 129_280, len(r["input_ids"])).astype(np.int32)} for r in rows]
+    write_shards(with_ids, tmp_path / "with", shard_meta(AUX, H), samples_per_shard=4)
+    back = _by_id(read_hidden_shards(tmp_path / "with"))
+    for r in with_ids:
+        np.testing.assert_array_equal(back[r["sample_id"]]["target_ids"], r["target_ids"])
+    write_shards(rows, tmp_path / "without", shard_meta(AUX, H), samples_per_shard=4)
+    assert all("target_ids" not in b for b in read_hidden_shards(tmp_path / "without"))
+    bad = [{**with_ids[0], "target_ids": with_ids[0]["target_ids"][:-1]}]
+    with pytest.raises(ValueError, match="target_ids and input_ids lengths differ"):
+        write_shards(bad, tmp_path / "bad", shard_meta(AUX, H), samples_per_shard=4)
+
+
 def test_bf16_shards_halve_the_bytes_and_round_to_nearest(rows, tmp_path):
     fp32 = write_shards(rows, tmp_path / "f", shard_meta(AUX, H, "float32"), 4)
     bf16 = write_shards(rows, tmp_path / "b", shard_meta(AUX, H, "bfloat16"), 4)

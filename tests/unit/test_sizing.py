@@ -132,7 +132,9 @@ def test_check_passes_the_kimi_config_and_refuses_it_with_transformers_extractio
     from pipeline.cli import main
 
     assert main(["check", str(ROOT / "configs" / "kimi_k25.yaml"), "--no-paths"]) == 0
-    assert "extraction sizing: weights 595.0 GB (model.weights_gb) <= 8 GPUs × 141 GB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "extraction sizing: weights 595.0 GB (model.weights_gb) <= 8 GPUs × 141 GB" in out
+    assert "training: 2,540 steps, " in out and "defaults" not in out
 
     assert main(["check", str(_kimi(tmp_path, backend="transformers", tensor_parallel_size=None)), "--no-paths"]) == 2
     err = capsys.readouterr().err

@@ -405,3 +405,20 @@ def test_heldout_split_is_a_stable_nested_partition():
     assert kept.num_rows > 0 and kept.num_rows + dropped.num_rows == 500
     assert set(kept["sample_id"].to_pylist()).isdisjoint(dropped["sample_id"].to_pylist())
 
+
+
+def test_stored_target_ids_spare_the_worker_its_lm_head_pass(tiny_rows, target_parts):
+    """Rows that carry the extraction's argmax train on exactly the ids a worker would compute, and the
+    worker's full-vocab pass (the first epoch's main cost on a CPU) never runs for them."""
+    from training.train import TargetIdsCache
+
+    worker = TargetIdsCache(target_parts.lm_head, torch.device("cpu"))
+    computed = [worker.sample(r, 512) for r in tiny_rows[:6]]
+    assert len(worker.cache) == 6
+    stored = [{**r, "target_ids": s.target_ids.astype(np.int32)} for r, s in zip(tiny_rows[:6], computed, strict=True)]
+    fresh = TargetIdsCache(target_parts.lm_head, torch.device("cpu"))
+    again = [fresh.sample(r, 512) for r in stored]
+    assert not fresh.cache and "lm_head" not in vars(fresh)  # no device copy of the full lm_head either
+    for a, b in zip(computed, again, strict=True):
+        np.testing.assert_array_equal(a.target_ids, b.target_ids)
+        assert b.target_ids.dtype == np.int64
