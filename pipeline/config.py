@@ -177,9 +177,9 @@ class ExtractionConfig(Strict):
     # bytes and is lossless for states captured in bf16 (GPU)
     shard_dtype: Literal["float32", "bfloat16"] = "float32"
     # store the target's full-vocab argmax per token, computed next to the states on the extraction device, so
-    # training never multiplies by the full lm_head (false: each training worker computes it once per sample; for
-    # an extraction actor without a GPU of its own, e.g. a vllm engine with TP > 1)
-    target_ids: bool = True
+    # training never multiplies by the full lm_head (false: each training worker computes it once per sample).
+    # Unset: on, except for a vllm engine with TP > 1, whose actor holds no GPU of its own
+    target_ids: bool | None = None
     num_actors: int = 1
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -200,7 +200,16 @@ class ExtractionConfig(Strict):
                              f"(backend {self.backend} spreads a model with device_map: auto instead)")
         if self.tensor_parallel_size > 1 and self.num_gpus <= 0:
             raise ValueError(f"extraction.tensor_parallel_size {self.tensor_parallel_size} needs num_gpus > 0")
+        if self.tensor_parallel_size > 1 and self.target_ids:
+            raise ValueError("extraction.target_ids true with tensor_parallel_size > 1: the engine's workers hold the "
+                             "GPUs, so the full-vocab argmax would run on the actor's CPU; leave target_ids unset "
+                             "(the training workers compute it)")
         return self
+
+    @property
+    def stores_target_ids(self) -> bool:
+        """Whether extraction stores the target's argmax ids (``target_ids``, resolved)."""
+        return self.target_ids if self.target_ids is not None else self.tensor_parallel_size == 1
 
 
 class RayConfig(Strict):

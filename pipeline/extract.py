@@ -208,14 +208,15 @@ class Captured:
 
 
 def argmax_ids(final: Any, real: Any, lm_head: Any) -> Any:
-    """(B, T) int32: the target's full-vocab argmax at each real position of ``final`` (B, T, H), 0 on pads."""
+    """(B, T) int32 on ``final``'s device: the target's full-vocab argmax at each real position of ``final``
+    (B, T, H), 0 on pads. Computed where ``lm_head`` lives (the states are the smaller tensor to move), over
+    the padded block: no boolean indexing, so on CUDA the host never waits for the kernels."""
     import torch
 
     from training.target import greedy_ids
 
-    out = torch.zeros(real.shape, dtype=torch.int32, device=final.device)
-    out[real] = greedy_ids(final[real], lm_head).int()
-    return out
+    ids = greedy_ids(final.to(lm_head.device), lm_head).to(final.device)
+    return torch.where(real, ids, 0).int()
 
 
 def _launch(model: Any, indices: list[int], seqs: list[list[int]], aux_layer_ids: Sequence[int],
@@ -517,9 +518,10 @@ class HiddenStateExtractor:
         self.backend, self.target_ids = backend, target_ids
         if backend == "transformers":
             self.model, self.device, dtype = load_target(model_dir, device, dtype, device_map)
-            # where forward_states puts the states (the embeddings' device, also under a device_map)
-            embed = decoder_parts(self.model)[0].get_input_embeddings().weight
-            lm_head = self.model.get_output_embeddings().weight.detach().to(embed.device) if target_ids else None
+            lm_head = self.model.get_output_embeddings().weight.detach() if target_ids else None
+            if lm_head is not None and lm_head.device.type == "meta":  # offloaded by a device_map
+                raise ValueError("extraction.target_ids needs the target's lm_head in memory, but the device_map "
+                                 "offloaded it: set extraction.target_ids false (training then computes the ids)")
             self.capture_fn: CaptureFn = lambda seqs, groups: capture_groups(self.model, seqs, groups,
                                                                              self.aux_layer_ids, lm_head)
         elif backend == "vllm":

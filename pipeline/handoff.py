@@ -49,7 +49,7 @@ class Handoff:
         if ex.tensor_parallel_size > 1:  # workers as Ray tasks in the actor's placement group (extraction_resources)
             vllm |= {"tensor_parallel_size": ex.tensor_parallel_size, "distributed_executor_backend": "ray"}
         return {"backend": ex.backend, "dtype": ex.dtype, "device_map": ex.device_map, "vllm_options": vllm,
-                "stats_dir": str(self.layout.extract_stats), "target_ids": ex.target_ids}
+                "stats_dir": str(self.layout.extract_stats), "target_ids": ex.stores_target_ids}
 
     def resources(self) -> dict[str, Any]:
         return extraction_resources(self.cfg.extraction)

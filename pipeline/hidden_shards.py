@@ -206,7 +206,7 @@ def build_index(out_dir: str | Path) -> dict[str, Any]:
         skip = sorted(set(ids) & seen)
         seen.update(ids)
         entries.append({"file": f.name, "samples": len(ids), "tokens": _n_tokens(t), "bytes": f.stat().st_size,
-                        **({"skip": skip} if skip else {})})
+                        "target_ids": "target_ids" in reader.schema.names, **({"skip": skip} if skip else {})})
     tokens = sum(e["tokens"] for e in entries)
     size = sum(e["bytes"] for e in entries)
     index = {"format": FORMAT, "meta": meta, "shards": entries, "samples": len(seen), "tokens": tokens, "bytes": size,
@@ -277,7 +277,7 @@ def _load_shard_block(batch: dict[str, np.ndarray]) -> pa.Table:
     for path, skip in zip(batch["path"], batch["skip"], strict=True):
         drop = set(json.loads(skip))
         rows += [r for r in decode_table(read_shard(path)) if r["sample_id"] not in drop]
-    return training_table(rows)
+    return training_table(rows, target_ids=bool(batch["target_ids"][0]))
 
 
 def hidden_shards_dataset(out_dir: str | Path):
@@ -291,7 +291,11 @@ def hidden_shards_dataset(out_dir: str | Path):
     shards = load_index(out)["shards"]
     if not shards:
         raise FileNotFoundError(f"no hidden-state shards in {out}")
-    items = [{"path": str(out / e["file"]), "skip": json.dumps(e.get("skip", []))} for e in shards]
+    # one schema for every block: the target_ids column only when every shard has it (shards written before
+    # extraction stored it, or with extraction.target_ids false, leave it to the training workers)
+    uniform = all(e.get("target_ids", False) for e in shards)
+    items = [{"path": str(out / e["file"]), "skip": json.dumps(e.get("skip", [])), "target_ids": uniform}
+             for e in shards]
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         _load_shard_block, batch_size=1, batch_format="numpy")
 

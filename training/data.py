@@ -85,7 +85,10 @@ def to_sample(
         raise ValueError(f"row {row.get('sample_id')!r}: aux {aux.shape} is not (T, 3*{final.shape})")
     n = min(length, max_len)
     if row.get("target_ids") is not None:
-        tgt = np.asarray(row["target_ids"], dtype=np.int64)[:n]
+        tgt = np.asarray(row["target_ids"], dtype=np.int64).reshape(-1)
+        if tgt.shape[0] != length:
+            raise ValueError(f"row {row.get('sample_id')!r}: {tgt.shape[0]} target_ids for {length} tokens")
+        tgt = tgt[:n]
     elif target_ids_fn is not None:
         tgt = target_ids_fn(final[:n])
     else:

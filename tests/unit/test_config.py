@@ -357,3 +357,15 @@ def test_run_refuses_an_unreadable_dataset_before_ray_starts(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "input error" in res.stderr and "rows.json: not valid JSON" in res.stderr
     assert "Traceback" not in res.stderr and "ray" not in res.stderr.lower()
+
+
+def test_target_ids_are_stored_unless_a_tp_engine_extracts():
+    """The argmax ids come from the extraction device; a vLLM engine with TP > 1 leaves its actor no GPU, so
+    unset means off there, and asking for them there is refused with the reason."""
+    from pipeline.config import ExtractionConfig
+
+    assert ExtractionConfig().stores_target_ids and not ExtractionConfig(target_ids=False).stores_target_ids
+    tp = {"backend": "vllm", "tensor_parallel_size": 8, "num_gpus": 8}
+    assert not ExtractionConfig(**tp).stores_target_ids
+    with pytest.raises(ValueError, match="argmax would run on the actor's CPU"):
+        ExtractionConfig(**tp, target_ids=True)

@@ -12,6 +12,7 @@ import torch
 from pipeline.extract import capture, load_target
 from pipeline.hidden_shards import (
     INDEX,
+    _load_shard_block,
     build_index,
     completed_sample_ids,
     from_bf16_bits,
@@ -74,6 +75,13 @@ def test_target_ids_travel_with_the_shard_when_the_extraction_computed_them(rows
         np.testing.assert_array_equal(back[r["sample_id"]]["target_ids"], r["target_ids"])
     write_shards(rows, tmp_path / "without", shard_meta(AUX, H), samples_per_shard=4)
     assert all("target_ids" not in b for b in read_hidden_shards(tmp_path / "without"))
+    # the index says which shards carry them; a block is read with the column only when all do (one schema)
+    assert all(e["target_ids"] for e in load_index(tmp_path / "with")["shards"])
+    assert not any(e["target_ids"] for e in load_index(tmp_path / "without")["shards"])
+    shard = str(tmp_path / "with" / load_index(tmp_path / "with")["shards"][0]["file"])
+    block = {"path": np.array([shard]), "skip": np.array(["[]"])}
+    assert "target_ids" in _load_shard_block({**block, "target_ids": np.array([True])}).column_names
+    assert "target_ids" not in _load_shard_block({**block, "target_ids": np.array([False])}).column_names
     bad = [{**with_ids[0], "target_ids": with_ids[0]["target_ids"][:-1]}]
     with pytest.raises(ValueError, match="target_ids and input_ids lengths differ"):
         write_shards(bad, tmp_path / "bad", shard_meta(AUX, H), samples_per_shard=4)

@@ -422,3 +422,5 @@ def test_stored_target_ids_spare_the_worker_its_lm_head_pass(tiny_rows, target_p
     for a, b in zip(computed, again, strict=True):
         np.testing.assert_array_equal(a.target_ids, b.target_ids)
         assert b.target_ids.dtype == np.int64
+    with pytest.raises(ValueError, match="5 target_ids for"):
+        to_sample({**stored[0], "target_ids": stored[0]["target_ids"][:5]}, 512)
