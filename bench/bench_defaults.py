@@ -37,6 +37,7 @@ VARIANTS: dict[str, dict] = {
     "teacher_T=0.5": {"teacher_temperature": 0.5},
     "teacher_T=0.01": {"teacher_temperature": 0.01},
     "lr=3e-3": {"lr": 3e-3},
+    "lr=1e-2": {"lr": 1e-2},
     "lr=3e-4": {"lr": 3e-4},
     "warmup=10": {"warmup_steps": 10},
     "ttt=5": {"ttt_steps": 5},

@@ -209,12 +209,17 @@ class Captured:
 
 def argmax_ids(final: Any, real: Any, lm_head: Any) -> Any:
     """(B, T) int32 on ``final``'s device: the target's full-vocab argmax at each real position of ``final``
-    (B, T, H), 0 on pads. Computed where ``lm_head`` lives (the states are the smaller tensor to move), over
-    the padded block: no boolean indexing, so on CUDA the host never waits for the kernels."""
+    (B, T, H), 0 on pads. Computed where ``lm_head`` lives (the states are the smaller tensor to move). On a
+    GPU over the padded block (boolean indexing would make the host wait for the kernels); on a CPU, where
+    this product is most of the extraction's cost, over the real positions only."""
     import torch
 
     from training.target import greedy_ids
 
+    if lm_head.device.type == "cpu":
+        out = torch.zeros(real.shape, dtype=torch.int32)
+        out[real.cpu()] = greedy_ids(final.cpu()[real.cpu()], lm_head).int()
+        return out.to(final.device)
     ids = greedy_ids(final.to(lm_head.device), lm_head).to(final.device)
     return torch.where(real, ids, 0).int()
 
