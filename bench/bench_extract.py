@@ -1,6 +1,7 @@
 """Hidden-state extraction throughput versus a bare forward pass of the same batches, and bytes per token.
 
     .venv/bin/python bench/bench_extract.py [--models tiny,medium] [--samples 96] [--threads 1] [--vllm]
+    .venv/bin/python bench/bench_extract.py --models "" --vllm      # the vLLM backend alone
 
 "bare" runs only what cannot be skipped (the decoder, and the target's full-vocab
 argmax at real positions from the final states: no hooks, no copies) over exactly
@@ -162,7 +163,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-extract-") as tmp:
         work = Path(tmp)
-        for name in args.models.split(","):
+        for name in filter(None, args.models.split(",")):
             overrides = MODELS[name]
             model_dir = build_tiny_target(repo / "artifacts" / "tiny-target") if overrides is None \
                 else build_tiny_llama(work / name / "model", seed=0, **overrides)

@@ -627,9 +627,9 @@ class VLLMStateCapture:
     def __del__(self) -> None:
         # As pipeline.sources.engine.EngineSource.__del__: stop the engine while the actor is whole, so its
         # shared memory is unlinked before Ray kills the actor's children (the resource tracker among them).
-        from pipeline.sources.vllm_source import stop_vllm
+        try:  # the import too: at interpreter shutdown it raises (the atexit stop has run by then)
+            from pipeline.sources.vllm_source import stop_vllm
 
-        try:
             stop_vllm(getattr(self, "llm", None))
         except Exception:
             pass
