@@ -9,8 +9,8 @@ seed 1, the side-by-side bench's) and 200 held-out ones (seed 2, disjoint), as t
 that generates greedy responses and extracts hidden states to shards without training. ``sweep``
 reads those shards once, trains a drafter in this process for every variant and seed
 (``training.train.train_loop``, one thread) and measures its simulated greedy acceptance at k=3 and
-k=5 on the held-out rows (``training.simulate``, which the vLLM measurements of the quick-start test
-and of the side-by-side bench agree with). Every variant is the base (the quick start's settings:
+k=5 on the held-out rows (``training.simulate``, the run report's held-out measure: it ranks drafters; its
+absolute figures can differ from vLLM's on fresh generations). Every variant is the base (the quick start's settings:
 3 TTT steps, draft vocabulary 256, lr 1e-3 with 30 warmup steps then cosine, teacher T = 1) with one
 setting changed. Results go to OUT/defaults.jsonl (one line per run; a rerun skips what is there)
 and a table with mean ± sample standard deviation over seeds is printed.
