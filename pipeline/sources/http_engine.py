@@ -221,6 +221,7 @@ class HttpEngine:
             if attempts >= self.cfg.max_attempts:
                 break
             self.stats["retries"] += 1
+            log.debug("retrying %s after attempt %d: %s", row.get("sample_id"), attempts, self.redact(last.describe()))
             await asyncio.sleep(backoff_s(attempts - 1, self.rng, base=self.cfg.backoff_base_s,
                                           cap=self.cfg.backoff_max_s, retry_after=last.retry_after,
                                           max_retry_after=self.cfg.max_retry_after_s))
