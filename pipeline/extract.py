@@ -217,8 +217,9 @@ def argmax_ids(final: Any, real: Any, lm_head: Any) -> Any:
     from training.target import greedy_ids
 
     if lm_head.device.type == "cpu":
-        out = torch.zeros(real.shape, dtype=torch.int32)
-        out[real.cpu()] = greedy_ids(final.cpu()[real.cpu()], lm_head).int()
+        mask = real.cpu()
+        out = torch.zeros(mask.shape, dtype=torch.int32)
+        out[mask] = greedy_ids(final.cpu()[mask], lm_head).int()
         return out.to(final.device)
     ids = greedy_ids(final.to(lm_head.device), lm_head).to(final.device)
     return torch.where(real, ids, 0).int()
@@ -228,7 +229,7 @@ def _launch(model: Any, indices: list[int], seqs: list[list[int]], aux_layer_ids
             lm_head: Any = None) -> Captured:
     """Run one group and start its copy to the host (asynchronous on CUDA, so the next group's
     forward overlaps this copy and the caller's work on the previous group). With ``lm_head``
-    (on the model's device) the group's target argmax ids come along."""
+    the group's target argmax ids come along (``argmax_ids``)."""
     import torch
 
     states = forward_states(model, seqs, aux_layer_ids)
@@ -645,6 +646,8 @@ class VLLMStateCapture:
         )
         from vllm.inputs import TokensPrompt
 
+        from training.target import greedy_ids
+
         fits = [i for i, s in enumerate(seqs) if len(s) < self.max_model_len]
         for i in sorted(set(range(len(seqs))) - set(fits)):
             yield Captured([i], [len(seqs[i])], error=f"too_long: {len(seqs[i])} tokens exceed the engine's "
@@ -668,10 +671,8 @@ class VLLMStateCapture:
             final = rms_norm(hs[:, -1], self.norm_weight, self.eps)
             states = torch.cat([hs[:, :-1].reshape(len(s), -1), final], dim=-1)[None]
             ids = None
-            if self.lm_head is not None:
-                on_device = final.to(self.device, self.lm_head.dtype)[None]
-                real = torch.ones(on_device.shape[:2], dtype=torch.bool, device=self.device)
-                ids = argmax_ids(on_device, real, self.lm_head).cpu()
+            if self.lm_head is not None:  # one unpadded sequence: every position is real
+                ids = greedy_ids(final.to(self.device, self.lm_head.dtype), self.lm_head).int().cpu()[None]
             yield Captured([i], [len(s)], states, torch.isfinite(states).all(dim=-1).all(dim=-1), target_ids=ids)
 
 
