@@ -322,11 +322,14 @@ def sample_shards(path: str | Path) -> tuple[list[Path], list[Path]]:
     return shards, skipped
 
 
-def read_samples(files: Iterable[Path], batch_size: int = 1024) -> Iterator[dict[str, Any]]:
-    """Sample rows from shards, schema-checked first; streamed so a large run fits in memory."""
+def read_samples(files: Iterable[Path], batch_size: int = 1024,
+                 dropped: list[int] | None = None) -> Iterator[dict[str, Any]]:
+    """Sample rows from shards, schema-checked first; streamed so a large run fits in memory. A sample id seen
+    before is skipped (counted in ``dropped[0]``): a sample written twice is audited once."""
     files = list(files)
     for f in files:
         check_schema(f)
+    seen: set[str] = set()
     for f in files:
         row_no = 0
         for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=SAMPLE_SCHEMA.names):
@@ -335,6 +338,11 @@ def read_samples(files: Iterable[Path], batch_size: int = 1024) -> Iterator[dict
                     if row[col] is None:
                         raise ShardError(f"{f}: row {row_no}: column {col!r} is null")
                 row_no += 1
+                if row["sample_id"] in seen:
+                    if dropped is not None:
+                        dropped[0] += 1
+                    continue
+                seen.add(row["sample_id"])
                 yield row
 
 
@@ -430,13 +438,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _checks_config(args.checks, args.max_failures)
         profile = load_profile(args.profile, args.model_dir)
         shards, skipped = sample_shards(args.path)
-        report = audit_samples(read_samples(shards), profile, cfg)
+        dropped = [0]
+        report = audit_samples(read_samples(shards, dropped=dropped), profile, cfg)
     except (ShardError, ValueError, OSError, yaml.YAMLError) as e:
         print(f"audit: {e}", file=sys.stderr)
         return 2
     report["shards"] = [str(s) for s in shards]
     report["skipped_quarantine_shards"] = [str(s) for s in skipped]
+    report["duplicates_dropped"] = dropped[0]
     lines = summary_lines(report)
+    if dropped[0]:
+        lines.append(f"duplicates: {dropped[0]} extra copies of sample ids skipped (each sample audited once)")
     print("\n".join(lines))
     if args.json_path:
         atomic_write_json(args.json_path, report, ensure_ascii=False)

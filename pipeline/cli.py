@@ -27,7 +27,8 @@ def _load(args: argparse.Namespace, check_paths: bool = True) -> RunConfig | Non
 
 
 # Exit codes of `run` (README: "Exit codes"): done; rows left to do (a re-run resumes them); refused to start
-# (config, input, a folder written with other settings, a folder another run holds); an unexpected failure is 1.
+# (config, input, a folder written with other settings, a folder another run holds) or stopped because another run
+# took the folder's lock over; an unexpected failure is 1.
 EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_LEFT_TO_DO = 0, 1, 2, 3
 
 
@@ -49,18 +50,30 @@ def _run(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if cfg is None:
         return EXIT_REFUSED
+    from pipeline.placement import NoPlacement
+    from pipeline.run_lock import LockLost
+
     refusals = _refusals()
+    resume = f"python -m pipeline run {args.config}" + (f" --output-dir {args.output_dir}"
+                                                         if getattr(args, "output_dir", None) else "")
     try:
         # the run's own lines on the console; vLLM, Ray, transformers, torch and the rest in OUTPUT/logs/
         report = run(cfg, Console.for_cli(verbose=args.verbose, title=args.config))
+    except LockLost as e:  # another run took the folder over: it owns what is left; the message names it
+        print(f"stopped: {e} (exit {EXIT_REFUSED})", file=sys.stderr)
+        return EXIT_REFUSED
+    except NoPlacement as e:  # nothing was started: every prompt is still to do
+        print(f"! {e}", flush=True)
+        print(f"{getattr(e, 'left', 'all')} prompts left to do (exit {EXIT_LEFT_TO_DO}); resume with: {resume}",
+              flush=True)
+        return EXIT_LEFT_TO_DO
     except tuple(refusals) as e:
         word = next(w for cls, w in refusals.items() if isinstance(e, cls))
         print(f"{word}: {e}", file=sys.stderr)
         return EXIT_REFUSED
     left = report["not_generated"]
     if left:
-        print(f"{left} prompts left to do (exit {EXIT_LEFT_TO_DO}); resume with: python -m pipeline run {args.config}"
-              + (f" --output-dir {args.output_dir}" if getattr(args, "output_dir", None) else ""), flush=True)
+        print(f"{left} prompts left to do (exit {EXIT_LEFT_TO_DO}); resume with: {resume}", flush=True)
         return EXIT_LEFT_TO_DO
     print(f"done: every prompt passed or quarantined (exit {EXIT_DONE})", flush=True)
     return EXIT_DONE
@@ -70,6 +83,25 @@ def _check(args: argparse.Namespace) -> int:
     cfg = _load(args, check_paths=not args.no_paths)
     if cfg is None:
         return 2
+    if not args.no_paths:  # what a resume reads first, read now: an unreadable file is one line, not a traceback
+        from pipeline.config import ConfigError
+        from pipeline.layout import RunLayout
+        from pipeline.ledger import read_journal
+        from pipeline.manifest import read_manifest
+        from pipeline.records import read_rows
+        from pipeline.sources.registry import spending_sources
+
+        layout = RunLayout(cfg.output_dir)
+        try:
+            if layout.manifest.is_file():
+                read_manifest(layout.manifest)
+            for src in spending_sources(cfg.sources):
+                read_journal(str(layout.ledger(src.name)))
+            for folder in (layout.samples, layout.quarantine):
+                read_rows(folder, ["sample_id"])
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     print(f"{args.config}: ok — {len(cfg.datasets)} datasets, sources "
           f"{[f'{s.kind}:{s.name}' for s in cfg.sources]}, output {cfg.output_dir}")
     from pipeline.console import describe_training
@@ -89,11 +121,12 @@ def _status(args: argparse.Namespace) -> int:
     cfg = _load(args, check_paths=False)  # the model may live elsewhere: the folder is what is read
     if cfg is None:
         return 2
+    from pipeline.config import ConfigError
     from pipeline.datasets import DatasetError
 
     try:
         status = collect_status(cfg)
-    except (FileNotFoundError, DatasetError) as e:
+    except (FileNotFoundError, DatasetError, ConfigError) as e:
         print(f"status: {e}", file=sys.stderr)
         return 2
     print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))

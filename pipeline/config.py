@@ -7,13 +7,18 @@ imports it, never the other way round. Cross-field rules live in the validators,
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
+import json
+import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.profiles import PROFILE_NAMES
 from training.config import DraftTrainConfig
@@ -21,6 +26,18 @@ from training.config import DraftTrainConfig
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def check_name(what: str, name: str) -> str:
+    """A source or dataset name, which becomes part of file names (``ledger-<source>.json``,
+    ``responses/<source>-<id>.jsonl``): no separators, no ``.``/``..``, nothing a path could escape with."""
+    if not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
+        raise ValueError(f"{what} name {name!r} may hold only letters, digits, '_', '.' and '-' and may not be "
+                         "'.' or '..' (it is part of file names)")
+    return name
 
 
 class ModelConfig(Strict):
@@ -104,6 +121,11 @@ class DatasetConfig(Strict):
     sources: list[str] | None = None  # names of the sources allowed to serve this dataset
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
 
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        return check_name("dataset", v)
+
 
 class EngineSourceConfig(Strict):
     """What every local engine source has: an actor pool, its resources, and what an engine error does."""
@@ -122,6 +144,11 @@ class EngineSourceConfig(Strict):
     # Custom Ray resources the actor needs in all (e.g. {h200: 8} to stay on cluster.yaml's H200 nodes);
     # with TP > 1 in a placement group they are split evenly over its TP bundles.
     resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        return check_name("source", v)
 
 
 class VLLMSourceConfig(EngineSourceConfig):
@@ -215,6 +242,9 @@ class ExtractionConfig(Strict):
 class RayConfig(Strict):
     address: str | None = None  # else RAY_ADDRESS, else a local Ray
     num_cpus: int | None = None
+    # An actor pool that fits on no node gets this long for one to join (an autoscaler is asked), then the run
+    # stops with exit 3 naming the missing resources (pipeline.placement).
+    placement_timeout_s: float = Field(60.0, ge=0)
 
 
 class ProviderPreferences(Strict):
@@ -243,14 +273,91 @@ class HealthConfig(Strict):
     max_invalid_rate: float = Field(0.2, ge=0, le=1)  # billing drift or malformed structure
 
 
+OPENROUTER_HOST = "openrouter.ai"
+UNLIMITED = "unlimited"
+
+
+def _url_host(url: str) -> str:
+    """The host a URL's requests go to, lower case without a trailing dot ('' when there is none)."""
+    return (urlsplit(url).hostname or "").rstrip(".")
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: traffic that never leaves the machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def base_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a source's endpoint, or None. Total: a malformed URL is a reason, never a raise."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as e:
+        return f"not a valid URL ({e})"
+    if parts.scheme not in ("http", "https"):
+        return f"must start with https:// (or http:// for a loopback server), not {parts.scheme or 'nothing'!r}"
+    if "@" in parts.netloc:  # user:password@host: a secret in the config, and a host easy to misread
+        return "must not hold user info (user:password@...); the key comes from api_key_env"
+    if not _url_host(url):
+        return "has no host"
+    return None
+
+
+def normalised_base_url(url: str) -> str:
+    """``url`` with case, trailing dots and slashes, default ports and fragments that name the same endpoint
+    folded together (budget identity: the same endpoint written two ways keeps its spend)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return url.strip()
+    host = (parts.hostname or "").rstrip(".")
+    host = f"[{host}]" if ":" in host else host
+    if port is not None and (parts.scheme, port) not in (("https", 443), ("http", 80)):
+        host += f":{port}"
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{parts.scheme.lower()}://{host}{parts.path.rstrip('/')}{query}"
+
+
+def _cap(value: Any) -> Any:
+    """A budget value: ``"unlimited"`` is the explicit opt-out (stored as None); an empty value is refused,
+    so a key left blank in YAML never means "no cap"."""
+    if value == UNLIMITED:
+        return None
+    if value is None:
+        raise ValueError(f"empty budget: write a number, or {UNLIMITED!r} to spend without a cap")
+    return value
+
+
+TokenCap = Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_cap)]
+UsdCap = Annotated[Annotated[float, Field(ge=0, allow_inf_nan=False)] | None, BeforeValidator(_cap)]
+
+
+class PricesConfig(Strict):
+    """Dollars per million tokens, assumed when reserving ahead before any price was observed."""
+
+    prompt_usd_per_mtok: float = Field(ge=0, allow_inf_nan=False)
+    completion_usd_per_mtok: float = Field(ge=0, allow_inf_nan=False)
+
+
 class OpenRouterSourceConfig(Strict):
     """OpenRouter or any OpenAI-compatible chat-completions endpoint (vLLM, SGLang, gateways)."""
+
+    # a refused base_url may carry a secret (user:password@, ?key=): errors never echo the input
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     kind: Literal["openrouter"] = "openrouter"
     name: str = "openrouter"
     base_url: str = "https://openrouter.ai/api/v1"  # POST {base_url}/chat/completions
     model: str
-    api_key_env: str = "OPENROUTER_API_KEY"  # name of the variable; the key itself never enters config
+    # Name of the variable; the key itself never enters config. Left unset, OPENROUTER_API_KEY goes to
+    # openrouter.ai over https only; any other endpoint gets a key only when the config names its variable.
+    api_key_env: str = "OPENROUTER_API_KEY"
     api_key_required: bool = True  # local servers may take no key
     headers: dict[str, str] = Field(default_factory=dict)  # e.g. HTTP-Referer, X-Title
     provider: ProviderPreferences | None = None
@@ -262,10 +369,17 @@ class OpenRouterSourceConfig(Strict):
     send_tools: bool = False  # off: tool-call markers come back as text and rebuild as special ids
     sampling: SamplingConfig | None = None  # overrides the run's sampling for this source
     extra_body: dict[str, Any] = Field(default_factory=dict)
-    # Completion-token budget per dataset name; datasets not listed get default_budget (None: unlimited).
-    # Every key must name a dataset of the run (a typo would otherwise leave that dataset unlimited).
-    budgets: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
-    default_budget: int | None = Field(None, ge=0)
+    # Caps per dataset name, in completion tokens (budgets) and in dollars (budgets_usd); a dataset not listed
+    # gets the default of each. A value is a number or "unlimited" (stored as None). Every dataset this source
+    # may serve needs a cap or an explicit "unlimited" (RunConfig refuses it otherwise), and every key must
+    # name a dataset of the run (a typo would otherwise leave that dataset unlimited).
+    budgets: dict[str, TokenCap] = Field(default_factory=dict)
+    default_budget: TokenCap = None
+    budgets_usd: dict[str, UsdCap] = Field(default_factory=dict)
+    default_budget_usd: UsdCap = None
+    prices: PricesConfig | None = None  # what reserving ahead in dollars assumes before a price is seen
+    # Budgets follow identity() (model, endpoint, budget_scope), not the name: a new scope starts fresh accounts.
+    budget_scope: str = ""
     # Concurrency: num_actors..max_actors actors, each with up to max_in_flight requests.
     num_actors: int = Field(4, gt=0)
     max_actors: int | None = None
@@ -300,6 +414,81 @@ class OpenRouterSourceConfig(Strict):
     # Billing cross-check: drift counts as a validation failure when above both thresholds.
     billing_abs_threshold: int = 8
     billing_rel_threshold: float = 0.05
+    # Config errors: the same 4xx answer on this many distinct prompts in a row halts the source (nothing is
+    # quarantined for it); a 4xx with no verdict within config_error_wait_s stays to do (pipeline.sources.http_engine).
+    config_error_prompts: int = Field(3, ge=2)
+    config_error_wait_s: float = Field(30.0, gt=0)
+    # Leases: an actor silent to the ledger this long is taken as dead, its reservations in doubt (spent, not
+    # blocking); a prompt waiting this long in all for budget held by in-flight requests is left to do.
+    lease_s: float = Field(60.0, gt=0)
+    budget_wait_max_s: float = Field(600.0, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        return check_name("source", v)
+
+    @field_validator("base_url")
+    @classmethod
+    def _usable_url(cls, v: str) -> str:
+        if problem := base_url_problem(v):
+            raise ValueError(f"base_url {problem}")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_default_is_unset(cls, data: Any) -> Any:
+        # `default_budget: null` (or a blank value) means "not set", never the explicit "unlimited" opt-out
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in ("default_budget", "default_budget_usd") and v is None)}
+        return data
+
+    @model_validator(mode="after")
+    def _no_key_in_clear(self) -> OpenRouterSourceConfig:
+        if self._key_in_clear():
+            raise ValueError(f"source {self.name!r}: base_url is plain http to {_url_host(self.base_url)}, not a "
+                             f"loopback host, so the key in {self.api_key_env} would cross the network unencrypted; "
+                             "use https (or http only to 127.0.0.1, ::1 or localhost)")
+        return self
+
+    def _key_in_clear(self) -> bool:
+        """Whether a key this config may send would go over plain http off this machine."""
+        names_key = "api_key_env" in self.model_fields_set or _url_host(self.base_url) == OPENROUTER_HOST
+        return names_key and urlsplit(self.base_url).scheme != "https" \
+            and not is_loopback_host(_url_host(self.base_url))
+
+    def key_env(self) -> str | None:
+        """The environment variable whose value may be sent as this source's key, or None: send no key.
+
+        The default variable (``api_key_env`` not set in the config) goes only to openrouter.ai over https,
+        and not at all with ``api_key_required: false``; a variable the config names goes to its base_url.
+        Never over plain http off this machine, whatever was assigned after validation.
+        """
+        if base_url_problem(self.base_url) or self._key_in_clear():
+            return None
+        if "api_key_env" in self.model_fields_set:
+            return self.api_key_env
+        https_openrouter = urlsplit(self.base_url).scheme == "https" and _url_host(self.base_url) == OPENROUTER_HOST
+        return self.api_key_env if self.api_key_required and https_openrouter else None
+
+    def identity(self) -> str:
+        """Whose spend a ledger journal holds: a digest of model, endpoint and budget_scope (not the name), so
+        renaming a source keeps its spend and a new scope (the explicit budget reset) starts from zero."""
+        key = json.dumps([self.model, normalised_base_url(self.base_url), self.budget_scope])
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def token_budget(self, dataset: str) -> int | None:
+        """Completion-token cap of one dataset; None: no token cap (it may still have a dollar cap)."""
+        return self.budgets[dataset] if dataset in self.budgets else self.default_budget
+
+    def usd_budget(self, dataset: str) -> float | None:
+        """Dollar cap of one dataset; None: no dollar cap (it may still have a token cap)."""
+        return self.budgets_usd[dataset] if dataset in self.budgets_usd else self.default_budget_usd
+
+    def has_cap_decision(self, dataset: str) -> bool:
+        """Whether the config says how much this source may spend on ``dataset`` (a cap or "unlimited")."""
+        return (dataset in self.budgets or dataset in self.budgets_usd
+                or bool({"default_budget", "default_budget_usd"} & self.model_fields_set))
 
 
 SourceConfig = Annotated[
@@ -361,6 +550,8 @@ def _duplicates(names: Sequence[str]) -> list[str]:
 
 
 class RunConfig(Strict):
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # as for OpenRouterSourceConfig
+
     output_dir: str
     model: ModelConfig
     datasets: list[DatasetConfig] = Field(min_length=1)
@@ -384,10 +575,21 @@ class RunConfig(Strict):
                 if s not in names:
                     raise ValueError(f"dataset {d.name!r} names unknown source {s!r} (known: {names})")
         for s in self.sources:
-            unknown = sorted(set(getattr(s, "budgets", None) or {}) - set(ds_names))
-            if unknown:
-                raise ValueError(f"source {s.name!r}: budgets name unknown datasets {unknown} (known: {ds_names}); "
-                                 "a misspelt key would leave that dataset without a cap")
+            for key in ("budgets", "budgets_usd"):
+                unknown = sorted(set(getattr(s, key, None) or {}) - set(ds_names))
+                if unknown:
+                    raise ValueError(f"source {s.name!r}: {key} name unknown datasets {unknown} (known: {ds_names}); "
+                                     "a misspelt key would leave that dataset without a cap")
+        for s in self.sources:
+            if not isinstance(s, OpenRouterSourceConfig):
+                continue
+            for d in self.datasets:
+                if (d.sources is None or s.name in d.sources) and not s.has_cap_decision(d.name):
+                    raise ValueError(
+                        f"source {s.name!r} may spend on dataset {d.name!r} without a cap: set budgets: "
+                        f"{{{d.name}: <completion tokens>}} or budgets_usd: {{{d.name}: <dollars>}} (or a "
+                        f"default_budget / default_budget_usd) on the source, or opt out with budgets: "
+                        f"{{{d.name}: {UNLIMITED}}}")
         check_routing(self.routing, names, ds_names)
         if self.training and self.training.aux_layer_ids and self.extraction.aux_layer_ids \
                 and self.training.aux_layer_ids != self.extraction.aux_layer_ids:
@@ -415,6 +617,13 @@ class ConfigError(ValueError):
     """A config that cannot be run; the message names the offending key or file."""
 
 
+class UnreadableFile(ConfigError):
+    """A file in a run's folder (manifest, ledger journal, shard) that is not what it should be.
+
+    The run stops with one line naming the file and what to do, rather than guess: a ledger read as empty
+    would spend its budget twice, a shard skipped would be generated (and paid for) again."""
+
+
 def _resolve(path: str, base: Path) -> str:
     p = Path(path)
     return str(p if p.is_absolute() else (base / p))
@@ -431,7 +640,12 @@ def load_config(path: str | Path, *, base_dir: str | Path | None = None, check_p
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start} cannot be "
+                          "decoded; save the file as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
@@ -462,4 +676,10 @@ def load_config(path: str | Path, *, base_dir: str | Path | None = None, check_p
             raise ConfigError(f"{path}: dataset {d.name!r}: expected a .jsonl, .json or .parquet file: {d.path}")
     if misfit := cfg.sizing_misfit():  # after paths resolve: the model folder's checkpoint index is read
         raise ConfigError(f"{path}: {misfit}")
+    if cfg.model.path and check_paths and not cfg.model.build_tiny:
+        from pipeline.profiles import check_model_folder
+
+        # the tokenizer and template the folder claims, before Ray starts: never a silent fallback
+        if reason := check_model_folder(cfg.model.profile, cfg.model.path):
+            raise ConfigError(f"{path}: model.path: {reason}")
     return cfg

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from pipeline.records import SAMPLE_SCHEMA
 
-Status = Literal["ok", "reroute", "quarantine", "not_generated"]
+Status = Literal["ok", "reroute", "quarantine", "not_generated", "duplicate"]
 SERVABLE = ("ok", "reroute")
 
 FLIGHT_SCHEMA = pa.schema([

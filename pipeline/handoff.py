@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from pipeline.config import ExtractionConfig, RunConfig
 from pipeline.console import Console, ExtractWatch, TrainWatch, heldout_line
 from pipeline.layout import RunLayout
+from pipeline.records import read_samples_dataset
 from pipeline.report import Timings
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class Handoff:
             return self.split(hidden_shards_dataset(self.layout.hidden), keep_heldout)
         from pipeline.extract import HiddenStateExtractor
 
-        samples = ray.data.read_parquet(str(self.layout.samples), columns=SAMPLE_INPUT_COLUMNS)
+        samples, _ = read_samples_dataset(self.layout.samples, SAMPLE_INPUT_COLUMNS)  # one row per sample id
         return self.split(samples, keep_heldout).map_batches(
             HiddenStateExtractor,
             fn_constructor_args=(self.cfg.model.path, self.aux_layer_ids, ex.max_len, ex.too_long, ex.batch_tokens,
@@ -201,8 +202,9 @@ def training_samples(layout: RunLayout, heldout_fraction: float) -> int:
     """Passed samples that reach training (the held-out ones excepted): what a streamed extraction will do."""
     from training.heldout import is_held_out
 
-    return sum(not is_held_out(sid, heldout_fraction) for f in sorted(layout.samples.glob("*.parquet"))
-               for sid in pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist())
+    ids = {sid for f in sorted(layout.samples.glob("*.parquet"))
+           for sid in pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()}
+    return sum(not is_held_out(sid, heldout_fraction) for sid in ids)
 
 
 def draft_vocab_from_samples(layout: RunLayout, vocab_size: int, draft_vocab_size: int, max_len: int,
@@ -214,11 +216,13 @@ def draft_vocab_from_samples(layout: RunLayout, vocab_size: int, draft_vocab_siz
     from training.vocab import build_vocab_mapping
 
     def rows() -> Iterator[dict[str, Any]]:
+        seen: set[str] = set()  # a sample written twice counts once
         for f in sorted(layout.samples.glob("*.parquet")):
             table = pq.read_table(f, columns=["sample_id", "prompt_ids", "prompt_assistant_mask", "output_ids"])
             for r in table.to_pylist():
-                if is_held_out(r["sample_id"], heldout_fraction):
+                if is_held_out(r["sample_id"], heldout_fraction) or r["sample_id"] in seen:
                     continue
+                seen.add(r["sample_id"])
                 prepared = prepare_sample(r["prompt_ids"], r["prompt_assistant_mask"], r["output_ids"], max_len,
                                           too_long)
                 if not isinstance(prepared, str):  # a reason: the extraction stage quarantines it

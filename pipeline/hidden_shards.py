@@ -364,7 +364,10 @@ def extract_to_shards(samples_dir: str | Path, out_dir: str | Path, *, model_dir
         return t.filter(pc.invert(pc.is_in(t["sample_id"], value_set=done_ids)))
 
     kwargs = {"out_dtype": "bfloat16" if dtype == "bfloat16" else "float32", **(extractor_kwargs or {})}
-    ds = ray.data.read_parquet(str(samples_dir), columns=SAMPLE_COLUMNS).map_batches(not_done, batch_format="pyarrow")
+    from pipeline.records import read_samples_dataset
+
+    samples, _ = read_samples_dataset(Path(samples_dir), SAMPLE_COLUMNS)  # one row per sample id
+    ds = samples.map_batches(not_done, batch_format="pyarrow")
     ds = ds.map_batches(
         HiddenStateExtractor,
         fn_constructor_args=(model_dir, aux_layer_ids, max_len, too_long, batch_tokens, str(quarantine_dir)),

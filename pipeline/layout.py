@@ -98,7 +98,15 @@ class RunLayout:
 
     def ledger(self, source: str) -> Path:
         """An API source's budget journal."""
-        return self.root / f"ledger-{source}.json"
+        return self.root / f"ledger-{file_part(source)}.json"
+
+
+def file_part(name: str) -> str:
+    """``name`` when it can be part of a file name in the run folder (config checks source names; this keeps
+    a name from elsewhere from ever writing outside the folder)."""
+    if not name or any(c in name for c in "/\\\0") or name in (".", ".."):
+        raise ValueError(f"{name!r} cannot be part of a file name")
+    return name
 
 
 def temp_path(path: str | Path) -> Path:

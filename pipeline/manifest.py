@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, UnreadableFile
 from pipeline.layout import RunLayout, atomic_write_json
 
 MANIFEST_FILE = RunLayout(".").manifest.name
@@ -105,7 +105,7 @@ def check_or_write_manifest(cfg: RunConfig, out: Path, has_samples: bool) -> dic
     manifest = run_manifest(cfg)
     path = RunLayout(out).manifest
     if path.exists() and has_samples:
-        old = json.loads(path.read_text())
+        old = read_manifest(path)
         diffs = differences(old, manifest)
         if diffs:
             listing = "\n".join(f"  {d}" for d in diffs)
@@ -115,3 +115,22 @@ def check_or_write_manifest(cfg: RunConfig, out: Path, has_samples: bool) -> dic
             )
     atomic_write_json(path, manifest, sort_keys=True)
     return manifest
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A written manifest; one that cannot be read is an ``UnreadableFile`` saying what to do (never
+    ignored: resuming without it would skip the check that the samples were made with these settings)."""
+    what = None
+    try:
+        old = json.loads(path.read_bytes().decode("utf-8"))
+        if not isinstance(old, dict):
+            what = f"a JSON {type(old).__name__}, not an object"
+    except OSError as e:
+        what = f"cannot be read ({e.strerror})"
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        what = f"not valid JSON ({e})"
+    if what is not None:
+        raise UnreadableFile(f"{path}: {what}. It records what the samples in {path.parent} were made with; "
+                             f"move it aside (the next run writes a new one from this config: only do that if "
+                             "the samples were made with these settings), or use a new output_dir")
+    return old

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -37,11 +38,16 @@ log = logging.getLogger(__name__)
 PROVIDER_KEYS = frozenset({"order", "only", "ignore", "allow_fallbacks", "require_parameters", "data_collection",
                            "quantizations", "sort", "max_price", "zdr", "enforce_distillable_text",
                            "preferred_min_throughput", "preferred_max_latency"})
+# content-parts: content as a list of text parts; choices-object: choices as an object, not a list;
+# usage-string: completion_tokens as a string; proxy-524: a 524 after the generation was billed.
 RANDOM_FAULTS = ("429", "502", "503", "timeout", "200-error", "empty-choices", "native-error",
-                 "empty-content", "null-content", "cutoff")
+                 "empty-content", "null-content", "cutoff", "content-parts", "choices-object", "usage-string",
+                 "proxy-524")
 # Per-prompt markers: a fixed HTTP status every time, "always-<fault>" for a random fault kind every
-# time, and echo-key (a 401 whose message repeats the presented key, as a careless gateway might).
-MARKER_FAULTS = frozenset({"400", "401", "402", "403", "echo-key"} | {f"always-{k}" for k in RANDOM_FAULTS})
+# time, echo-key (a 401 whose message repeats the presented key, as a careless gateway might), and
+# moderation (a 403 flagging this input, with metadata.reasons and flagged_input, billed nothing).
+MARKER_FAULTS = frozenset({"400", "401", "402", "403", "echo-key", "moderation"} |
+                          {f"always-{k}" for k in RANDOM_FAULTS})
 _MARKER = re.compile(r"\[\[fault:([a-z0-9-]+)\]\]")
 STATUS_TEXT = {400: "Bad Request", 401: "User not found.", 402: "Insufficient credits", 403: "Flagged by moderation",
                408: "Request timed out", 429: "Rate limit exceeded", 502: "Provider returned error",
@@ -65,10 +71,14 @@ class ServerConfig:
     miscount_providers: tuple[str, ...] = ()  # bill a third of the real completion tokens
     corrupt_providers: tuple[str, ...] = ()  # leak a prompt-only marker and duplicate reasoning
     flaky_providers: dict[str, float] = field(default_factory=dict)  # provider -> rate of 502 it causes
-    price_per_token: float = 1e-6
+    price_per_token: float = 1e-6  # per completion token (times 1 + the provider's index)
+    prompt_price_per_token: float = 0.0  # per prompt token (same factor): usage.cost covers both
+    bill_log: str | None = None  # append one JSON line per billed generation (the provider's own bill)
     max_generations: int = 100_000  # generation stats kept for GET /generation
     # Account credit in completion tokens: once the tokens billed reach it, every request gets 402.
     credits_tokens: int | None = None
+    # Models with an endpoint; a request for any other gets 404 "No endpoints found" (empty: every model).
+    known_models: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -128,8 +138,9 @@ def thinking_requested(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return False, False
 
 
-def error_body(code: int, message: str, provider: str | None = None, raw: str | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
+def error_body(code: int, message: str, provider: str | None = None, raw: str | None = None,
+               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = dict(extra or {})
     if provider:
         meta["provider_name"] = provider
     if raw:
@@ -138,6 +149,22 @@ def error_body(code: int, message: str, provider: str | None = None, raw: str | 
     if meta:
         err["metadata"] = meta
     return {"error": err, "user_id": "user_local"}
+
+
+def flagged_excerpt(text: str, n: int = 100) -> str:
+    """The flagged input as OpenRouter reports it: at most ``n`` characters, cut in the middle."""
+    if len(text) <= n:
+        return text
+    half = (n - 3) // 2
+    return text[:half] + "..." + text[-half:]
+
+
+def text_parts(text: str | None) -> list[dict[str, str]]:
+    """Content as a list of text parts (as some providers send it), joining back to the same text."""
+    text = text or ""
+    cut = [0, len(text) // 3, 2 * len(text) // 3, len(text)]
+    return [{"type": "text", "text": text[a:b]} for a, b in zip(cut, cut[1:], strict=False) if b > a] or \
+        [{"type": "text", "text": ""}]
 
 
 @dataclass
@@ -312,6 +339,16 @@ class OpenRouterLikeServer:
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
+    def _log_bill(self, gen_id: str, body: Mapping[str, Any], billed: int, cost: float) -> None:
+        """One line per billed generation: which conversation (a digest of its messages), its id and bill, so a
+        test can tell from the provider's side whether any prompt was paid for twice."""
+        if not self.cfg.bill_log:
+            return
+        digest = hashlib.sha256(json.dumps(body.get("messages"), sort_keys=True).encode()).hexdigest()
+        with open(self.cfg.bill_log, "a") as f:
+            f.write(json.dumps({"id": gen_id, "messages_sha256": digest, "billed": billed, "cost": cost,
+                                "at": time.time()}) + "\n")
+
     def _authorized(self, request: web.Request) -> bool:
         if not self._key:
             return True
@@ -319,10 +356,10 @@ class OpenRouterLikeServer:
         return hmac.compare_digest(got.encode(), ("Bearer " + self._key).encode())
 
     def _error(self, code: int, message: str, provider: str | None = None, raw: str | None = None,
-               retry_after: float | None = None) -> web.Response:
+               retry_after: float | None = None, extra: Mapping[str, Any] | None = None) -> web.Response:
         self._count(f"status_{code}")
         headers = {"Retry-After": f"{retry_after:g}"} if retry_after is not None else None
-        return web.json_response(error_body(code, message, provider, raw), status=code, headers=headers)
+        return web.json_response(error_body(code, message, provider, raw, extra), status=code, headers=headers)
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"counts": self.counts, "generations": len(self.generations)})
@@ -354,6 +391,8 @@ class OpenRouterLikeServer:
         max_tokens = body.get("max_tokens")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
             return self._error(400, "max_tokens must be a positive integer")
+        if self.cfg.known_models and body.get("model") not in self.cfg.known_models:
+            return self._error(404, f"No endpoints found for {body.get('model')}.")
 
         if self.cfg.credits_tokens is not None and \
                 self.counts.get("billed_completion_tokens", 0) >= self.cfg.credits_tokens:
@@ -373,6 +412,12 @@ class OpenRouterLikeServer:
         provider = route(self.cfg.providers, prefs, self.rng)
         if provider is None or fault == "503":
             return self._error(503, STATUS_TEXT[503])
+        if fault == "moderation":  # refused before any generation: nothing billed
+            flagged = next((m.get("content") for m in body["messages"] if isinstance(m.get("content"), str)), "")
+            return self._error(403, f"{self.cfg.model_name} requires moderation on {provider}. "
+                               "Your input was flagged for \"violence\"", provider,
+                               extra={"reasons": ["violence"], "flagged_input": flagged_excerpt(flagged),
+                                      "model_slug": self.cfg.model_name})
         flaky = self.cfg.flaky_providers.get(provider, 0.0)
         if fault == "502" or (flaky and self.rng.random() < flaky):
             return self._error(502, STATUS_TEXT[502], provider=provider, raw="upstream connection reset")
@@ -398,6 +443,8 @@ class OpenRouterLikeServer:
         raw = json.dumps(payload, ensure_ascii=False).encode()
         if fault == "cutoff":
             return await self._cut_off(request, resp, raw)
+        if fault == "proxy-524":
+            return await self._proxy_timeout(resp, provider)
         self._count("served" if fault is None else f"fault_{fault}")
         if resp is None:
             return web.Response(body=raw, content_type="application/json")
@@ -425,9 +472,12 @@ class OpenRouterLikeServer:
             gen.content = None
         elif fault == "native-error":
             native = "error"
-        cost = billed * self.cfg.price_per_token * (1 + self.cfg.providers.index(provider))
+        cost = (billed * self.cfg.price_per_token + gen.prompt_tokens * self.cfg.prompt_price_per_token) \
+            * (1 + self.cfg.providers.index(provider))
         # What the "provider" billed, including responses the client never reads (killed mid-flight).
         self.counts["billed_completion_tokens"] = self.counts.get("billed_completion_tokens", 0) + billed
+        self.counts["billed_cost_nano_usd"] = self.counts.get("billed_cost_nano_usd", 0) + round(cost * 1e9)
+        self._log_bill(gen_id, body, billed, cost)
         payload = chat_result(gen_id, str(body.get("model") or self.cfg.model_name), provider, gen, billed, cost,
                               int(time.time()), native)
         if fault == "200-error":
@@ -439,10 +489,30 @@ class OpenRouterLikeServer:
             choice["message"]["content"] = ""
         elif fault == "empty-choices":
             payload["choices"] = []
+        elif fault == "content-parts":
+            payload["choices"][0]["message"]["content"] = text_parts(gen.content)
+        elif fault == "usage-string":
+            payload["usage"]["completion_tokens"] = str(billed)
+        finish = payload["choices"][0]["finish_reason"] if payload["choices"] else "error"
+        if fault == "choices-object":
+            payload["choices"] = payload["choices"][0]
         self._remember(gen_id, generation_stats(gen_id, payload["model"], provider, gen, billed, cost, elapsed * 1000,
-                                                payload["choices"][0]["finish_reason"] if payload["choices"]
-                                                else "error", native))
+                                                finish, native))
         return payload
+
+    async def _proxy_timeout(self, resp: web.StreamResponse | None, provider: str) -> web.StreamResponse:
+        """The gateway gave up on an origin that went on to generate (and bill) the answer: a 524, or,
+        once padding has sent a 200, the same error inside the body."""
+        self._count("fault_proxy-524")
+        if resp is None:
+            return self._error(524, STATUS_TEXT[524], provider=provider)
+        self._count("status_524")
+        try:
+            await resp.write(json.dumps(error_body(524, STATUS_TEXT[524], provider)).encode())
+            await resp.write_eof()
+        except ConnectionResetError:
+            self._count("client_gone")
+        return resp
 
     def _remember(self, gen_id: str, stats: dict[str, Any]) -> None:
         self.generations[gen_id] = stats
@@ -548,6 +618,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
     p.add_argument("--flaky-provider", action="append", default=[], help="NAME=RATE of 502s")
     p.add_argument("--credits", type=int, default=None,
                    help="account credit in completion tokens; once billed, every request gets 402")
+    p.add_argument("--prompt-price", type=float, default=0.0, help="USD per prompt token (usage.cost includes it)")
+    p.add_argument("--bill-log", help="append one JSON line per billed generation to this file")
+    p.add_argument("--known-models", default="",
+                   help="comma-separated models with an endpoint; any other gets 404 (default: every model)")
     a = p.parse_args(argv)
     rates = {k: getattr(a, "fault_" + k.replace("-", "_")) for k in RANDOM_FAULTS}
     flaky = {}
@@ -559,7 +633,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
                        padding=a.padding, seed=a.seed, rates={k: v for k, v in rates.items() if v},
                        retry_after_s=a.retry_after, timeout_s=a.timeout_s,
                        miscount_providers=tuple(a.miscount_provider), corrupt_providers=tuple(a.corrupt_provider),
-                       flaky_providers=flaky, credits_tokens=a.credits)
+                       flaky_providers=flaky, credits_tokens=a.credits,
+                       known_models=tuple(x for x in a.known_models.split(",") if x),
+                       prompt_price_per_token=a.prompt_price, bill_log=a.bill_log)
     return cfg, a
 
 

@@ -81,8 +81,18 @@ def completion_from_message(
         content=message.get("content"),
         tool_calls=list(calls) if calls else None,
         finish_reason=finish_reason or "stop",
-        completion_tokens=int(billed) if billed is not None else None,
+        completion_tokens=_billed(billed),
     )
+
+
+def _billed(v: Any) -> int | None:
+    """The billed count when it is a number; a missing or odd value is unknown, not an error."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        return None
+    try:
+        return int(v)
+    except (ValueError, OverflowError):
+        return None
 
 
 def completion_from_response(body: dict[str, Any]) -> Completion:

@@ -8,11 +8,14 @@ small fixed set of columns plus the whole sample as JSON in ``detail``.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
 
 SAMPLE_SCHEMA = pa.schema([
     ("sample_id", pa.string()),
@@ -92,8 +95,82 @@ def empty_sample(prompt_row: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_rows(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
-    """The named columns of every parquet shard in a folder (samples/ or quarantine/), in file order."""
+    """The named columns of every parquet shard in a folder (samples/ or quarantine/), in file order.
+
+    A file there that is not parquet or lacks a named column raises ``UnreadableFile`` naming it (one line
+    and exit 2 from the CLI), never a traceback, and never skipped: its samples would be made again."""
     rows: list[dict[str, Any]] = []
     for f in sorted(Path(folder).glob("*.parquet")):
-        rows += pq.read_table(f, columns=columns).to_pylist()
+        rows += _read_shard(f, columns)
     return rows
+
+
+def _read_shard(path: Path, columns: list[str]) -> list[dict[str, Any]]:
+    from pipeline.config import UnreadableFile
+
+    aside = f"move it out of {path.parent} if it does not belong to this run"
+    try:
+        names = pq.read_schema(path).names
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise UnreadableFile(f"{path}: a shard without the columns {missing}; {aside}")
+        return pq.read_table(path, columns=columns).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise UnreadableFile(f"{path}: not a readable parquet file ({' '.join(str(e).split())}); {aside}") from None
+
+
+def read_samples(folder: Path, columns: list[str]) -> tuple[list[dict[str, Any]], int]:
+    """Like ``read_rows``, but one row per sample_id (a sample written twice counts once in spend, counts and
+    training): the first in file-name order, then row order, so every reader keeps the same copy. Also
+    returns how many duplicate rows were dropped."""
+    want = list(columns) if "sample_id" in columns else [*columns, "sample_id"]
+    seen: set[str] = set()
+    rows: list[dict[str, Any]] = []
+    dropped = 0
+    for row in read_rows(folder, want):
+        if row["sample_id"] in seen:
+            dropped += 1
+            continue
+        seen.add(row["sample_id"])
+        rows.append(row if want == columns else {c: row[c] for c in columns})
+    return rows, dropped
+
+
+def extra_copies(folder: Path) -> dict[str, str]:
+    """sample_id -> the file whose copy is kept, for ids written more than once (first file in name order);
+    empty for a folder without duplicates. One columnar read of ``sample_id``."""
+    first: dict[str, str] = {}
+    dup: dict[str, str] = {}
+    for f in sorted(Path(folder).glob("*.parquet")):
+        for sid in pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist():
+            if sid in first:
+                dup[sid] = first[sid]
+            else:
+                first[sid] = f.name
+    return dup
+
+
+def read_samples_dataset(folder: Path, columns: list[str]) -> tuple[Any, int]:
+    """``samples/`` as a Ray Dataset with one row per sample_id (the copy ``read_samples`` keeps), and how many
+    duplicate rows were left out: training and extraction see each sample once, whatever was written."""
+    import ray.data
+
+    dup = extra_copies(folder)
+    if not dup:
+        return ray.data.read_parquet(str(folder), columns=columns), 0
+    dropped = 0
+    for f in sorted(Path(folder).glob("*.parquet")):
+        for sid in pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist():
+            dropped += sid in dup and dup[sid] != f.name
+    log.warning("samples/ holds %d extra copies of %d sample ids: each is read once", dropped, len(dup))
+    keep = dict(dup)
+    want = list(columns) if "sample_id" in columns else [*columns, "sample_id"]
+
+    def first_copy(t: Any) -> Any:
+        paths = [Path(p).name for p in t["path"].to_pylist()]
+        mask = [keep.get(s, name) == name for s, name in zip(t["sample_id"].to_pylist(), paths, strict=True)]
+        t = t.filter(pa.array(mask, pa.bool_())).drop_columns(["path"])
+        return t if want == columns else t.drop_columns(["sample_id"])
+
+    ds = ray.data.read_parquet(str(folder), columns=want, include_paths=True)
+    return ds.map_batches(first_copy, batch_format="pyarrow", num_cpus=0), dropped

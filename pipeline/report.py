@@ -17,7 +17,7 @@ from pipeline.audit import AuditAccumulator, summary_lines
 from pipeline.config import ChecksConfig, DatasetConfig
 from pipeline.console import GenerateSnapshot
 from pipeline.layout import RunLayout
-from pipeline.records import read_rows
+from pipeline.records import read_rows, read_samples
 from pipeline.throughput import record as record_throughput
 from pipeline.validate import Verdict
 
@@ -61,6 +61,7 @@ class Tally:
         self.requests: Counter = Counter()  # source -> requests sent for the rows (HTTP sources; retries included)
         self.asked: Counter = Counter()  # source -> rows it sent at least one request for
         self.series: list[dict[str, Any]] = []  # throughput snapshots over time (pipeline.throughput)
+        self.duplicates = 0  # rows the writer found already written (a re-executed batch): not counted again
 
     @property
     def done(self) -> int:
@@ -100,7 +101,7 @@ class Tally:
 
 def summarize(tally: Tally, counts: Counter, layout: RunLayout) -> dict[str, Any]:
     """Figures over everything written for this run (including earlier, resumed attempts)."""
-    samples = read_rows(layout.samples, ["sample_id", "dataset", "output_ids", "checks_flagged"])
+    samples, dropped = read_samples(layout.samples, ["sample_id", "dataset", "output_ids", "checks_flagged"])
     quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage", "reason"])
     passed_ids = {r["sample_id"] for r in samples}
     q_ids = {r["sample_id"] for r in quarantine if r["sample_id"] not in passed_ids}
@@ -117,8 +118,9 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout) -> dict[str, Any
         "quarantine_reasons": dict(Counter(_reason_key(r["reason"]) for r in quarantine).most_common(10)),
         "flagged": dict(Counter(c for r in samples for c in r["checks_flagged"])),
         "tokens_generated": sum(len(r["output_ids"]) for r in samples),
-        "duplicates_in_shards": len(samples) - len(passed_ids),
+        "duplicates_in_shards": dropped,  # extra copies in samples/, each counted (and trained on) once
         "this_attempt": {"samples": tally.done, "resumed_done": counts["resumed_done"],
+                         "duplicates_skipped": tally.duplicates,
                          "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6)},
         "audit": tally.audit.report(),
         "by_dataset": {
@@ -213,13 +215,15 @@ def attention_lines(r: dict[str, Any]) -> list[str]:
     for name, src in (r.get("sources") or {}).items():
         left = src.get("left_to_do") or {}
         halted = ((r.get("spend") or {}).get(name) or {}).get("halted")
-        if halted or left.get("account"):
+        if halted or left.get("account") or left.get("config"):
+            fix = "the source's config" if left.get("config") or (halted or "").startswith("config error") \
+                else "the account"
             out.append(f"  ! source {name}: stopped: {halted or 'account error'} — {sum(left.values())} prompts "
-                       "left to do; fix the account and re-run to resume")
+                       f"left to do; fix {fix} and re-run to resume")
         elif left.get("transient"):
             out.append(f"  ! source {name}: API failing (network, timeouts or 5xx) — {left['transient']} prompts "
                        "left to do; re-run to resume")
         if left.get("budget"):
-            out.append(f"  ! source {name}: budget spent — {left['budget']} prompts not generated; raise the "
-                       "budget and re-run to do them")
+            out.append(f"  ! source {name}: budget spent or held — {left['budget']} prompts not generated; raise "
+                       "the budget (or wait for in-flight requests) and re-run to do them")
     return out

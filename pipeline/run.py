@@ -33,11 +33,12 @@ from pipeline.console import (
 from pipeline.datasets import load_dataset
 from pipeline.handoff import extract_and_train
 from pipeline.layout import RunLayout, atomic_write_json, atomic_write_table
+from pipeline.ledger import halt
 from pipeline.manifest import check_or_write_manifest
 from pipeline.publish import publish_report
 from pipeline.records import QUARANTINE_SCHEMA, quarantine_row, read_rows
 from pipeline.report import Tally, Timings, audit_for, format_report, ledger_report, source_report, summarize
-from pipeline.run_lock import RunLock
+from pipeline.run_lock import RunLock, current_lock, on_lock_lost
 from pipeline.sources.registry import spending_sources
 from pipeline.stages import RenderPrompts, ValidateSamples, WriteShards, shard_name
 from pipeline.validate import assert_conservation
@@ -55,8 +56,25 @@ def run(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
     layout = RunLayout(cfg.output_dir)
     prepare_output(layout)
     console = console or Console()
-    with RunLock.for_folder(layout.root), run_logs(layout, console):
+    with RunLock.for_folder(layout.root, **lock_timing()), run_logs(layout, console):
         return _run(cfg, layout, console)
+
+
+def lock_timing() -> dict[str, float]:
+    """The run lock's heartbeat and staleness: 10 s and 60 s, or ``PIPELINE_LOCK_HEARTBEAT_S`` and
+    ``PIPELINE_LOCK_STALE_S`` (a filesystem slower to show writes needs a longer staleness; tests a shorter)."""
+    from pipeline.config import ConfigError
+
+    out = {"heartbeat_s": 10.0, "stale_after_s": 60.0}
+    for key, var in (("heartbeat_s", "PIPELINE_LOCK_HEARTBEAT_S"), ("stale_after_s", "PIPELINE_LOCK_STALE_S")):
+        if os.environ.get(var):
+            try:
+                out[key] = float(os.environ[var])
+            except ValueError:
+                raise ConfigError(f"{var}={os.environ[var]!r} is not a number of seconds") from None
+    if not 0 < out["heartbeat_s"] < out["stale_after_s"]:
+        raise ConfigError(f"the run lock needs 0 < PIPELINE_LOCK_HEARTBEAT_S < PIPELINE_LOCK_STALE_S, not {out}")
+    return out
 
 
 def run_logs(layout: RunLayout, console: Console) -> AbstractContextManager[Any]:
@@ -79,6 +97,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     # before Ray starts: a folder written with other settings must fail in a second, not after start-up
     check_or_write_manifest(cfg, layout.root, has_samples=has_finished_rows(layout))
     check_api_keys(cfg)
+    check_budget_journals(cfg, layout)
     t0 = time.perf_counter()
     prompts, counts = read_prompts(cfg, layout)  # a file that cannot be read stops the run here, before Ray
     timings.add("read", t0)
@@ -89,19 +108,28 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     t0 = time.perf_counter()
     init_ray(cfg)
     timings.add("ray_init", t0)
+    check_placement(cfg, len(prompts))
     t0 = time.perf_counter()
     ledgers, held = create_ledgers(cfg, layout)
-    tally = generate(cfg, prompts, layout, ledgers, replays(cfg, layout, prompts), console=console)
+    unsubscribe = on_lock_lost(lambda reason: [halt(led, f"run lock lost: {reason}") for led in ledgers.values()])
+    try:
+        # Each source actor reads the response journals itself (pipeline.sources.http_replay) before sending.
+        tally = generate(cfg, prompts, layout, ledgers, console=console)
+    finally:
+        unsubscribe()
     timings.add("generate", t0)
+    ensure_held()
 
     report: dict[str, Any] = summarize(tally, counts, layout)
     assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
     report["spend"] = {name: ledger_report(ledger) | {"held_by_killed_requests": held[name]}
                        for name, ledger in ledgers.items()}
     report["sources"] = source_report(cfg.sources, tally)
+    ensure_held()
     report["training"] = extract_and_train(cfg, layout, timings, console)
     timings.add("total", t_all)
     report["seconds"] = timings.seconds
+    ensure_held()
     gen_s = timings.seconds.get("generate") or 0.0
     report["throughput"] = {
         "samples_per_s": round(tally.done / gen_s, 2) if gen_s else None,
@@ -113,6 +141,13 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     publish_report(cfg, layout, report)  # report.html + the trackers' run summary; never raises
     console.line(format_report(report, layout.root))
     return report
+
+
+def ensure_held() -> None:
+    """Raise ``LockLost`` (exit 2) if another run took this folder's lock over; a no-op outside ``run``."""
+    lock = current_lock()
+    if lock is not None:
+        lock.ensure_held()
 
 
 def init_ray(cfg: RunConfig) -> None:
@@ -141,6 +176,20 @@ def init_ray(cfg: RunConfig) -> None:
     after_ray_init()  # a CLI run: Ray's loggers and the workers' output go to OUTPUT/logs/
 
 
+def check_placement(cfg: RunConfig, to_do: int) -> None:
+    """Every actor pool fits some node (waiting ``ray.placement_timeout_s`` for one to join), else stop now:
+    ``NoPlacement`` (exit 3, the prompts left to do) instead of Ray Data's half-hour no-progress wait."""
+    from pipeline.placement import NoPlacement, run_demands, wait_for_placement
+
+    if not to_do:
+        return
+    try:
+        wait_for_placement(run_demands(cfg), cfg.ray.placement_timeout_s)
+    except NoPlacement as e:
+        e.left = to_do  # type: ignore[attr-defined]
+        raise
+
+
 def prepare_output(layout: RunLayout) -> None:
     """Create the output folder, or say in one line why it cannot be (before anything starts)."""
     from pipeline.config import ConfigError
@@ -161,6 +210,14 @@ def prepare_output(layout: RunLayout) -> None:
         raise ConfigError(f"output_dir {root}: cannot be written ({e.strerror})") from None
 
 
+def check_budget_journals(cfg: RunConfig, layout: RunLayout) -> None:
+    """Every spending source's budget journal reads (``UnreadableFile``: exit 2 naming it), before Ray starts."""
+    from pipeline.ledger import read_journal_both
+
+    for src in spending_sources(cfg.sources):
+        read_journal_both(str(layout.ledger(src.name)))
+
+
 def check_api_keys(cfg: RunConfig) -> None:
     """A private local Ray inherits this process's environment: a missing API key is a config error now.
 
@@ -171,8 +228,9 @@ def check_api_keys(cfg: RunConfig) -> None:
     if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
         return
     for src in spending_sources(cfg.sources):
-        if src.api_key_required and not os.environ.get(src.api_key_env):
-            raise ConfigError(f"source {src.name!r}: environment variable {src.api_key_env} is not set "
+        env = src.key_env()  # None: this endpoint gets no key (see OpenRouterSourceConfig.key_env)
+        if env and src.api_key_required and not os.environ.get(env):
+            raise ConfigError(f"source {src.name!r}: environment variable {env} is not set "
                               "(set it to the API key, or api_key_required: false for a local server)")
 
 
@@ -213,16 +271,6 @@ def worn_out(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, str]]:
     return out
 
 
-def replays(cfg: RunConfig, layout: RunLayout, prompts: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
-    """Per spending source, the responses an earlier attempt paid for but did not write (sample id -> record)."""
-    from pipeline.sources.http_journal import load_responses
-
-    pending = {p["sample_id"] for p in prompts}
-    return {src.name: {sid: rec.to_json().decode() for sid, rec in load_responses(layout.responses, src.name).items()
-                       if sid in pending}
-            for src in spending_sources(cfg.sources)}
-
-
 def has_finished_rows(layout: RunLayout) -> bool:
     return any(any(folder.glob("*.parquet")) for folder in (layout.samples, layout.quarantine))
 
@@ -244,17 +292,55 @@ def create_ledgers(cfg: RunConfig, layout: RunLayout) -> tuple[dict[str, Any], d
 
     Restored spend is the largest of what written samples were billed, what the response journal says
     was billed, and what the ledger's journal had committed (spent + in flight) when the last attempt
-    stopped: a request in flight at a kill may have been billed, so it stays spent.
+    stopped: a request in flight at a kill may have been billed, so it stays spent. Spend follows the
+    source's identity (model, endpoint, budget scope): what it spent under an earlier name counts too.
     """
-    from pipeline.ledger import ledger_for, read_journal
+    from pipeline.ledger import ledger_for, read_journal_both
+    from pipeline.sources.http_journal import cost_by_dataset
 
     ledgers, held = {}, {}
+    names = source_identities(cfg, layout)
     for src in spending_sources(cfg.sources):
-        billed = spent_by_dataset(layout, src.name)
-        committed = read_journal(str(layout.ledger(src.name)))
+        same = [n for n, ident in names.items() if ident == names[src.name]]
+        billed, usd, committed, committed_usd = Counter(), Counter(), Counter(), Counter()
+        for name in same:
+            _max_into(billed, spent_by_dataset(layout, name))
+            _max_into(usd, cost_by_dataset(layout.responses, name))
+            tokens_c, usd_c = read_journal_both(str(layout.ledger(name)))
+            _max_into(committed, tokens_c)
+            _max_into(committed_usd, usd_c)
         held[src.name] = {d: c - billed.get(d, 0) for d, c in committed.items() if c > billed.get(d, 0)}
-        ledgers[src.name] = ledger_for(src, spent=billed, journal=str(layout.ledger(src.name)))
+        _max_into(billed, committed)
+        _max_into(usd, committed_usd)
+        lock = current_lock()
+        ledgers[src.name] = ledger_for(src, spent=dict(billed), spent_usd=dict(usd),
+                                       journal=str(layout.ledger(src.name)),
+                                       lock=(str(lock.path), lock.token) if lock is not None else None)
     return ledgers, held
+
+
+def source_identities(cfg: RunConfig, layout: RunLayout) -> dict[str, str]:
+    """name -> identity of every spending source this folder has known (``sources.json``), this run's added."""
+    path = layout.root / "sources.json"
+    known: dict[str, str] = {}
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            known = {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            from pipeline.config import ConfigError
+
+            raise ConfigError(f"{path} is not readable JSON: move it aside to start the source identities afresh "
+                              "(spend is still restored from the journals by name)") from None
+    now = {src.name: src.identity() for src in spending_sources(cfg.sources)}
+    if {**known, **now} != known:
+        atomic_write_json(path, {**known, **now})
+    return {**known, **now}
+
+
+def _max_into(acc: Counter, values: dict[str, Any]) -> None:
+    for k, v in values.items():
+        acc[k] = max(acc.get(k, 0), v)
 
 
 def spent_by_dataset(layout: RunLayout, source: str) -> dict[str, int]:
@@ -280,7 +366,8 @@ def generate(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunLayout, l
     """Stream prompts through render -> routed sources -> validate -> shard writer, tallying what comes out.
 
     A prompt whose source fails it is handed to the next source the router names; when that source sits
-    earlier in the chain the prompt comes back as ``reroute`` and is fed to one more pass.
+    earlier in the chain the prompt comes back as ``reroute`` and is fed to one more pass. ``replayed``: fixed
+    replay sets per source (tests); by default each source actor indexes the folder's response journals.
     """
     tally = Tally(len(prompts), audit_for(cfg.datasets))
     if not prompts:
@@ -326,15 +413,20 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
                         output_dir=str(layout.root), replays=replayed)
         ds = ds.map_batches(ValidateSamples, fn_constructor_args=(model.profile, model.path, checks),
                             batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
-        ds = ds.map_batches(WriteShards, fn_constructor_args=(str(layout.root),), batch_format="pyarrow",
-                            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+        lock = current_lock()  # the shard writer checks it still owns the folder before every shard
+        fence = {"lock_path": str(lock.path), "token": lock.token} if lock is not None else {}
+        ds = ds.map_batches(WriteShards, fn_constructor_args=(str(layout.root),), fn_constructor_kwargs=fence,
+                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
         rerouted = []
         try:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                ensure_held()  # a run whose lock was taken over stops here (exit 2), its sources already halted
                 for row in batch.to_pylist():
                     tally.note_start_error(row)
                     if row["status"] == "reroute":
                         rerouted.append(row)
+                    elif row["status"] == "duplicate":
+                        tally.duplicates += 1  # written once already (a re-executed batch): never counted twice
                     else:
                         tally.add(row)
                 tally.progress()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -16,7 +18,7 @@ from pipeline.config import ChecksConfig
 from pipeline.flight import batch_to_rows, mark, rows_to_table
 from pipeline.layout import RunLayout, atomic_write_table
 from pipeline.profiles import load_profile
-from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, empty_sample, quarantine_row
+from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, empty_sample, quarantine_row, read_rows
 from pipeline.validate import annotate, quarantine_reason, validate_sample
 
 
@@ -79,24 +81,62 @@ def shard_name(sample_ids: list[str]) -> str:
 
 
 class WriteShards:
-    """Write ok rows to samples/, quarantined rows to quarantine/, return one summary row per sample."""
+    """Write ok rows to samples/, quarantined rows to quarantine/, return one summary row per sample.
 
-    def __init__(self, output_dir: str) -> None:
+    With the run lock's ``lock_path`` and ``token`` (the actor runs in another process than the driver that
+    holds the lock) every shard is committed under ``run_lock.fence``: after a takeover nothing is written
+    and ``LockLost`` ends the Ray Data job. No sample is written twice, by construction: a row whose id is in
+    ``done_ids`` (passed or quarantined when the run started) or was written by this actor is left out of
+    the shard and comes back with status ``duplicate`` (the driver must not count it again), and the shard
+    is named by the ids it holds. The actor reads the ids already in samples/ and quarantine/ when it starts
+    (a restarted actor too), and the driver runs one WriteShards actor per generation pass (pool size 1), so
+    its memory holds every write of its pass.
+    """
+
+    def __init__(self, output_dir: str, lock_path: str | None = None, token: str | None = None,
+                 done_ids: Iterable[str] | None = None) -> None:
+        if (lock_path is None) != (token is None):
+            raise ValueError("WriteShards: pass both lock_path and token, or neither")
         layout = RunLayout(output_dir)
         self.samples, self.quarantine = layout.samples, layout.quarantine
         self.samples.mkdir(parents=True, exist_ok=True)
         self.quarantine.mkdir(parents=True, exist_ok=True)
+        self.lock_path, self.token = lock_path, token
+        self.written: set[str] = set() if done_ids is None else set(done_ids)
+        self.written.update(r["sample_id"] for folder in (self.samples, self.quarantine)
+                            for r in read_rows(folder, ["sample_id"]))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch_to_rows(batch)
-        ok = [r for r in rows if r["status"] == "ok"]
-        bad = [r for r in rows if r["status"] == "quarantine"]
+        if self.lock_path is not None:
+            from pipeline.run_lock import check_token
+
+            check_token(self.lock_path, self.token or "")  # a lost lock writes nothing, not even a temp file
+        ok, bad, fresh = [], [], set()
+        for r in rows:
+            if r["status"] not in ("ok", "quarantine"):
+                continue
+            if r["sample_id"] in self.written or r["sample_id"] in fresh:
+                r.update(status="duplicate", stage="write", reason="already written as passed or quarantined")
+                continue
+            fresh.add(r["sample_id"])
+            (ok if r["status"] == "ok" else bad).append(r)
         if ok:
-            path = self.samples / shard_name([r["sample_id"] for r in ok])
-            atomic_write_table(rows_to_table(ok, SAMPLE_SCHEMA), path)
+            self._commit(rows_to_table(ok, SAMPLE_SCHEMA), self.samples / shard_name([r["sample_id"] for r in ok]))
+            self.written.update(r["sample_id"] for r in ok)
         if bad:
             q = [quarantine_row(r, r["stage"], r["reason"]) for r in bad]
-            path = self.quarantine / shard_name([r["sample_id"] for r in q])
-            atomic_write_table(rows_to_table(q, QUARANTINE_SCHEMA), path)
+            self._commit(rows_to_table(q, QUARANTINE_SCHEMA), self.quarantine / shard_name([r["sample_id"] for r in q]))
+            self.written.update(r["sample_id"] for r in q)
         return rows_to_table([{**r, "prompt_ids": [], "prompt_assistant_mask": [], "messages": "", "tools": "",
                                "reasoning": None, "content": None, "tool_calls": ""} for r in rows])
+
+    def _commit(self, table: pa.Table, path: Path) -> None:
+        """Write one shard whole; with a lock, only while it is still ours (fence: guard, token check, write)."""
+        if self.lock_path is None:
+            atomic_write_table(table, path)
+            return
+        from pipeline.run_lock import fence
+
+        with fence(self.lock_path, self.token or ""):
+            atomic_write_table(table, path)

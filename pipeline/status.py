@@ -20,7 +20,7 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.datasets import load_dataset
 from pipeline.layout import RunLayout
-from pipeline.records import read_rows
+from pipeline.records import read_rows, read_samples
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
@@ -144,7 +144,8 @@ def training_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
 def collect_status(cfg: RunConfig) -> dict[str, Any]:
     out = Path(cfg.output_dir)
     layout = RunLayout(out)
-    samples = read_rows(layout.samples, ["sample_id", "dataset", "source", "billed_completion_tokens", "cost"])
+    samples, dropped = read_samples(layout.samples, ["sample_id", "dataset", "source", "billed_completion_tokens",
+                                                     "cost"])
     quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage"])
     datasets = dataset_status(cfg, samples, quarantine)
     return {
@@ -152,7 +153,7 @@ def collect_status(cfg: RunConfig) -> dict[str, Any]:
         "totals": {k: sum(d[k] for d in datasets.values()) for k in ("rows", "passed", "quarantined", "to_do")},
         "datasets": datasets,
         "samples_by_source": dict(Counter(r["source"] for r in samples)),
-        "duplicates_in_shards": len(samples) - len({r["sample_id"] for r in samples}),
+        "duplicates_in_shards": dropped,
         "spend": spend_status(cfg, out, samples),
         "manifest": manifest_status(cfg, out),
         "training": training_status(cfg, out),
@@ -176,7 +177,8 @@ def format_status(s: dict[str, Any]) -> str:
     if s["samples_by_source"]:
         lines.append(f"  samples by source: {s['samples_by_source']}")
     if s["duplicates_in_shards"]:
-        lines.append(f"  WARNING: {s['duplicates_in_shards']} duplicate sample ids in samples/")
+        lines.append(f"  WARNING: {s['duplicates_in_shards']} extra copies of sample ids in samples/ (each is "
+                     "counted and trained on once)")
     for name, sp in s["spend"].items():
         lines.append(f"  spend {name}: ${sp['cost_usd_in_samples']:.4f} billed in samples")
         for d, v in sp["datasets"].items():

@@ -90,20 +90,44 @@ def _token_text(value: Any) -> str | None:
 
 
 def folder_chat_template(model_dir: str | Path) -> tuple[str | None, dict[str, Any]]:
-    """A model folder's chat template (chat_template.jinja, else tokenizer_config.json) and its token vars."""
+    """A model folder's chat template (chat_template.jinja, else tokenizer_config.json) and its token vars.
+
+    A file the folder has but that cannot give what it claims (not UTF-8, not JSON, a template of the wrong
+    shape) raises ValueError naming it: falling back to the built-in layout would change the prompt ids."""
     folder = Path(model_dir)
     cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg = _read_json(cfg_path) if cfg_path.exists() else {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object")
     template: str | None = None
     if (folder / "chat_template.jinja").exists():
-        template = (folder / "chat_template.jinja").read_text()
+        template = _read_text(folder / "chat_template.jinja")
     else:
         raw = cfg.get("chat_template")
         if isinstance(raw, list):  # named templates: the default one renders chats
-            raw = next((t["template"] for t in raw if t.get("name") == "default"), None)
+            raw = next((t.get("template") for t in raw if isinstance(t, dict) and t.get("name") == "default"), None)
+            if raw is None:
+                raise ValueError(f"{cfg_path}: chat_template lists named templates but none named 'default'")
+        if raw is not None and not isinstance(raw, str):
+            raise ValueError(f"{cfg_path}: chat_template is a {type(raw).__name__}, expected a string")
         template = raw
     template_vars = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
     return template, {k: v for k, v in template_vars.items() if v is not None}
+
+
+def _read_text(path: Path) -> str:
+    """A folder file's text; one that is not UTF-8 is a ValueError naming it."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte offset {e.start})") from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def encode_segments(

@@ -190,6 +190,9 @@ def load_kimi_profile(model_dir: str | None = None, rank_file: str | None = None
     if model_dir:
         folder = Path(model_dir)
         rank_file = str(folder / "tiktoken.model")
+        if not Path(rank_file).is_file():
+            raise FileNotFoundError(f"{rank_file}: no such file (the kimi-k2.5 profile reads the folder's tiktoken "
+                                    "rank file)")
         names = _names_from_config(folder)
         template, template_vars = folder_chat_template(folder)
     tok = kimi_tokenizer(rank_file or qwen_rank_file(), names)

@@ -189,10 +189,13 @@ def _forbidden(special: dict[str, int]) -> frozenset[int]:
 
 @lru_cache(maxsize=8)
 def load_qwen3_profile(model_dir: str | None = None) -> Qwen3Profile:
-    """Qwen3 on a model folder's tokenizer.json and chat template, or the packaged Qwen rank file."""
+    """Qwen3 on a model folder's tokenizer.json and chat template, or (no folder) the packaged Qwen rank file.
+
+    A folder without a readable tokenizer.json is an error, never a fallback to the packaged tokenizer: the
+    folder's own ids and template are what its engine uses."""
     template, template_vars = None, {}
     tok: HFTokenizer | TiktokenTokenizer
-    if model_dir and (Path(model_dir) / "tokenizer.json").exists():
+    if model_dir:
         tok = HFTokenizer(Path(model_dir) / "tokenizer.json")
         template, template_vars = folder_chat_template(model_dir)
     else:

@@ -64,7 +64,12 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self._file = Path(tokenizer_file)
-        self._tok = Tokenizer.from_file(str(tokenizer_file))
+        if not self._file.is_file():
+            raise FileNotFoundError(f"{self._file}: no such file")
+        try:
+            self._tok = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception on any malformed file
+            raise ValueError(f"{self._file}: not a readable tokenizer.json ({e})") from None
         self._plain: Tokenizer | None = None
         self._added: dict[str, int] | None = None
         self.vocab_size = self._tok.get_vocab_size()

@@ -169,8 +169,9 @@ def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Sam
                replay: Mapping[str, str] | None = None) -> Any:
     """Append one source stage (the registry's actor class for its kind) to the chain.
 
-    A spending source's actors also get its budget ``ledger``, the run folder (for their response
-    journals) and ``replay``: the journaled responses (sample id -> record JSON) a killed attempt paid for.
+    A spending source's actors also get its budget ``ledger`` and the run folder: they journal their responses
+    there and, before sending, read what any actor of the folder was billed for. ``replay`` (tests) replaces
+    that with a fixed set (sample id -> record JSON).
     """
     import ray.data
 
@@ -179,7 +180,8 @@ def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Sam
     batch = chain_batch_size(src.batch_size, router.weights.get(src.name, 0.0) / total)
     min_actors = src.num_actors
     max_actors = max(src.max_actors or 0, min_actors)
-    kwargs = {"ledger": ledger, "output_dir": output_dir, "replay": dict(replay or {})} if kind.spends else {}
+    kwargs = {"ledger": ledger, "output_dir": output_dir, "replay": dict(replay) if replay else None} \
+        if kind.spends else {}
     if kind.layout == "async_http":
         compute = ray.data.ActorPoolStrategy(min_size=min_actors, max_size=max_actors,
                                              max_concurrent_calls_per_actor=src.max_concurrent_batches)

@@ -4,15 +4,29 @@ Every prompt ends as exactly one output row whose ``status`` is "ok" (a
 sample), "quarantined" or "not_generated" (resumable: a re-run does it). The
 failure classes decide which (``http_wire.Failure.failure_class``):
 
-- ``sample`` (a 400 on this prompt, a context too long): it would fail again,
-  so the row is quarantined with the error.
+- ``sample`` (a 4xx on this prompt, a context too long, a moderation 403, an
+  answer of a shape that would repeat): it would fail again, so the row is
+  quarantined with the error.
 - ``transient`` (network, timeouts, 408/429/5xx, cut bodies, in-band provider
   errors): retried with backoff; out of retries the row stays *not generated*
   with its attempts recorded (``gave_up`` in the response journal), and only
   after ``transient_runs`` runs that each gave up on it is it quarantined (by
   the driver, at read time). Many in a row open the circuit (http_circuit).
-- ``account`` (401/402/403): the source halts at once, on every actor (through
+- ``account`` (401/402/403 but moderation): the source halts at once, on every actor (through
   the shared ledger); its remaining rows stay not generated.
+- ``config``: the same 4xx answer (status and message) on ``config_error_prompts``
+  distinct prompts in a row is the source's config (a typo'd model id, a bad
+  ``extra_body``), not the prompts': the source halts and nothing is quarantined
+  for it. A 4xx is judged only once the next answer says which it is: a success
+  or another answer proves the prompt's own fault (quarantine); with no verdict
+  within ``config_error_wait_s`` the row stays to do.
+- ``budget``: the dataset's budget is spent, or in-flight reservations held the
+  rest of it for ``budget_wait_max_s`` (a dead actor's reservations lapse with
+  its lease, see pipeline.ledger).
+
+Every answer shape is an outcome: nothing a request meets fails or orphans its
+siblings in the batch (``run_rows``). A journal that cannot be written halts the
+source: paid responses never pile up in memory only.
 
 Money: a request that may have been billed (sent, then cut, timed out or
 dropped) keeps its whole reservation as spent; every billed response is
@@ -24,12 +38,15 @@ this module only sequences them.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -39,8 +56,9 @@ from pipeline.profiles.base import Completion, Profile
 from pipeline.reconstruct import rebuild_ids
 from pipeline.records import empty_sample
 from pipeline.sources.http_circuit import Circuit
-from pipeline.sources.http_journal import Record, ResponseJournal, request_digest
+from pipeline.sources.http_journal import JournalError, Record, ResponseJournal, request_digest
 from pipeline.sources.http_ledger_client import LedgerClient
+from pipeline.sources.http_replay import ReplayIndex, replay_source
 from pipeline.sources.http_wire import (
     Failure,
     Reply,
@@ -58,6 +76,26 @@ from pipeline.sources.http_wire import (
 log = logging.getLogger(__name__)
 
 OK, QUARANTINED, NOT_GENERATED = "ok", "quarantined", "not_generated"
+CONFIG_ERROR = "config error"  # how a config halt's reason starts (its rows' failure class is "config")
+
+
+def key_may_go_to(url: str) -> bool:
+    """Whether an Authorization header may be sent to ``url``: https, or plain http to a loopback host only."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        return False
+    if parts.scheme == "https":
+        return bool(host)
+    if parts.scheme != "http":
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Secret:
@@ -105,7 +143,7 @@ class HttpEngine:
     def __init__(self, cfg: OpenRouterSourceConfig, profile: Profile, ledger: LedgerClient, api_key: Secret, *,
                  sampling: SamplingConfig | None = None, source_name: str | None = None,
                  rng: random.Random | None = None, journal: ResponseJournal | None = None,
-                 replay: dict[str, Record] | None = None) -> None:
+                 replay: ReplayIndex | dict[str, Record] | None = None) -> None:
         self.cfg = cfg
         self.profile = profile
         self.ledger = ledger
@@ -113,6 +151,9 @@ class HttpEngine:
         self.opts = request_options(cfg, sampling or SamplingConfig())
         self.source_name = source_name or cfg.name
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
+        if api_key.get() and not key_may_go_to(self.url):
+            raise ValueError(f"source {self.source_name!r}: refusing to send an API key to {cfg.base_url} "
+                             "(plain http off loopback)")
         self.rng = rng or random.Random()
         self.sampling_json = json.dumps(self.opts.sampling(), sort_keys=True)
         self._constant_fields = {"source": self.source_name, "source_kind": "openrouter", "model": cfg.model,
@@ -124,7 +165,13 @@ class HttpEngine:
         self._auto_seen: tuple[str, ...] | None = None
         self._exclude_list: list[str] = list(cfg.exclude_providers)
         self.journal = journal
-        self.replay = dict(replay or {})  # sample id -> a response journaled (paid) by an earlier attempt
+        # sample id -> a response journaled (paid) by this run's other actors or an earlier run
+        self.replay = replay_source(replay)
+        self._journal_failed: str | None = None
+        self._usd_per_token = 0.0  # the dearest price per token seen (prompt + completion), for dollar asks
+        self._streak_sig: str | None = None  # the 4xx answer the prompts in _streak got
+        self._streak: dict[str, asyncio.Future] = {}
+        self._config_failure: Failure | None = None
         self._answered = False  # the API answered something other than a transient failure (it is up)
         self.circuit = Circuit(cfg.circuit_failures, cfg.circuit_cooldown_s, cfg.circuit_max_cooldown_s,
                                cfg.circuit_give_up_s)
@@ -151,13 +198,27 @@ class HttpEngine:
             await self._session.close()
         self._session = None
         if self.journal is not None:
-            self.journal.flush()
+            try:
+                self.journal.flush()
+            except JournalError as e:  # already a halt (the append that failed said so); closing must not fail
+                log.error("source %r: %s", self.source_name, self.redact(str(e)))
 
     # -- rows ---------------------------------------------------------------
     async def run_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One output row per input row, in input order."""
+        """One output row per input row, in input order. A row whose handling raised (a bug: the API's faults
+        are outcomes) is left to do with the error; it never fails or orphans the other rows of the batch."""
         await self._ensure_session()
-        return list(await asyncio.gather(*(self.generate(r) for r in rows)))
+        self.replay.refresh()  # responses other actors journaled since (a batch retried after its actor died)
+        results = await asyncio.gather(*(self.generate(r) for r in rows), return_exceptions=True)
+        out = []
+        for row, res in zip(rows, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, Exception):
+                    raise res  # cancelled: the actor is going away
+                log.error("internal error on %s (left to do)", row.get("sample_id"), exc_info=res)
+                res = self._not_generated(row, 0, self.redact(f"internal error: {type(res).__name__}: {res}"))
+            out.append(res)
+        return out
 
     async def generate(self, row: dict[str, Any]) -> dict[str, Any]:
         """Take one prompt to a sample, a quarantine row or a not-generated row; never raises for the API's faults."""
@@ -175,10 +236,11 @@ class HttpEngine:
         last: Failure | None = None
         attempts = 0
         wait_s = self.cfg.budget_poll_s
+        waited = 0.0
+        usd = self._usd_ask(row)
         while attempts < self.cfg.max_attempts:
             if self.ledger.halted:
-                return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {self.ledger.halted}",
-                                           "account")
+                return self._halted_row(row, attempts)
             if dataset in self._exhausted:
                 return self._not_generated(row, attempts, self._budget_spent(dataset), "budget")
             gate = self.circuit.admit(time.monotonic())
@@ -189,22 +251,30 @@ class HttpEngine:
                 continue
             attempt: _Attempt | None = None
             async with self._slots:
-                decision = await self.ledger.reserve(dataset, self.opts.max_tokens)
+                decision = await self.ledger.reserve(dataset, self.opts.max_tokens, usd)
                 if decision == "granted":
                     attempts += 1
-                    attempt = await self._attempt(session, messages, tools, thinking, row, digest, attempts)
+                    attempt = await self._attempt(session, messages, tools, thinking, row, digest, attempts, usd)
             if decision == "halted":
                 continue  # the loop top returns it not generated, with the ledger's reason
             if decision == "exhausted":
                 self._exhausted.add(dataset)
                 continue
             if attempt is None:  # "wait": in-flight requests hold the rest of the budget
-                await asyncio.sleep(wait_s * (0.5 + self.rng.random()))
+                if waited >= self.cfg.budget_wait_max_s:
+                    return self._not_generated(row, attempts, f"the rest of dataset {dataset!r}'s budget stayed held "
+                                               f"by requests in flight for {waited:.0f}s", "budget")
+                pause = wait_s * (0.5 + self.rng.random())
+                await asyncio.sleep(pause)
+                waited += pause
                 wait_s = min(wait_s * 2, 2.0)
                 continue
+            if self._journal_failed is not None:
+                await self.ledger.halt(self._journal_failed)
             if attempt.reply is not None:
                 self.circuit.record(True, time.monotonic())
                 self._answered = True
+                self._end_streak("prompt")
                 return self._sample(row, attempt, attempts, thinking)
             last = attempt.failure
             assert last is not None
@@ -217,7 +287,18 @@ class HttpEngine:
                 log.error("source %r stops sending: %s", self.source_name, reason)
                 return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {reason}", "account")
             if cls == "sample":
-                return self._quarantined(row, attempts, last)
+                signature = getattr(last, "signature", None)
+                if signature is None:
+                    self._end_streak("prompt")  # another answer: 4xx prompts waiting were their own fault
+                    return self._quarantined(row, attempts, last)
+                verdict = await self._judge_4xx(str(row["sample_id"]), signature, last)
+                if verdict == "prompt":
+                    return self._quarantined(row, attempts, last)
+                if verdict == "config":
+                    return self._halted_row(row, attempts)
+                return self._gave_up(row, attempts, self.redact(
+                    f"{last.describe()}; left to do: fewer than {self.cfg.config_error_prompts} prompts got this "
+                    f"answer in a row within {self.cfg.config_error_wait_s:g}s, so it may be the config's"), digest)
             if attempts >= self.cfg.max_attempts:
                 break
             self.stats["retries"] += 1
@@ -228,9 +309,75 @@ class HttpEngine:
         reason = f"transient failures, {attempts} attempt(s): {last.describe()}" if last else "no attempt made"
         return self._gave_up(row, attempts, self.redact(reason), digest)
 
+    # -- config errors ----------------------------------------------------------
+    async def _judge_4xx(self, sample_id: str, signature: str, failure: Failure) -> str:
+        """Whether a 4xx is this prompt's ("prompt"), the config's ("config") or undecided ("unsure").
+
+        The same answer on ``config_error_prompts`` distinct prompts in a row is the config's; any other
+        answer in between (a success, another error) shows the API takes this config, so the prompts waiting
+        were at fault themselves."""
+        if self._config_failure is not None and signature == self._streak_sig:
+            return "config"
+        if signature != self._streak_sig:
+            self._end_streak("prompt")
+            self._streak_sig = signature
+        fut = asyncio.get_running_loop().create_future()
+        self._streak[sample_id] = fut
+        if len(self._streak) >= self.cfg.config_error_prompts:
+            self._config_failure = failure
+            reason = self.redact(f"{CONFIG_ERROR}: {failure.describe()} (the same answer on {len(self._streak)} "
+                                 "prompts in a row; fix the source's model, provider or extra_body and re-run)")
+            await self.ledger.halt(reason)
+            log.error("source %r stops sending: %s", self.source_name, reason)
+            self._end_streak("config")
+            return "config"
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout=self.cfg.config_error_wait_s)
+        except TimeoutError:
+            if self._streak.get(sample_id) is fut:
+                del self._streak[sample_id]
+            return fut.result() if fut.done() else "unsure"
+
+    def _end_streak(self, verdict: str) -> None:
+        for fut in self._streak.values():
+            if not fut.done():
+                fut.set_result(verdict)
+        self._streak = {}
+        if verdict == "prompt" and self._config_failure is None:
+            self._streak_sig = None
+
+    def _halted_row(self, row: dict[str, Any], attempts: int) -> dict[str, Any]:
+        reason = self.ledger.halted or (self._config_failure.describe() if self._config_failure else "halted")
+        cls = "config" if reason.startswith(CONFIG_ERROR) else "account"
+        return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {reason}", cls)
+
+    # -- dollars ------------------------------------------------------------------
+    def _usd_ask(self, row: dict[str, Any]) -> float:
+        """The most this prompt's request can cost: from configured prices, else the dearest price per token
+        seen so far (with a margin); NaN when neither is known (the ledger then sends one at a time)."""
+        n_prompt = self._prompt_tokens(row)
+        prices = getattr(self.cfg, "prices", None)
+        if prices is not None:
+            return (n_prompt * prices.prompt_usd_per_mtok + self.opts.max_tokens * prices.completion_usd_per_mtok) / 1e6
+        if self._usd_per_token > 0:
+            return 1.5 * self._usd_per_token * (n_prompt + self.opts.max_tokens)
+        return math.nan
+
+    @staticmethod
+    def _prompt_tokens(row: dict[str, Any]) -> int:
+        ids = row.get("prompt_ids")
+        if ids is not None and len(ids):
+            return len(ids) + 16  # the provider's template may add a few tokens
+        text = row.get("messages")
+        return (len(text) if isinstance(text, str) else len(json.dumps(text or ""))) // 2 + 16
+
+    def _learn_price(self, row: dict[str, Any], billed: int, cost: float | None) -> None:
+        if cost is not None and cost > 0 and billed >= 0:
+            self._usd_per_token = max(self._usd_per_token, cost / max(1, self._prompt_tokens(row) + billed))
+
     async def _attempt(self, session: aiohttp.ClientSession, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None, thinking: bool, row: dict[str, Any], digest: str,
-                       attempts: int) -> _Attempt:
+                       attempts: int, usd: float = 0.0) -> _Attempt:
         """One request under a granted reservation; settles or releases it exactly once."""
         dataset = str(row["dataset"])
         reserved = self.opts.max_tokens
@@ -240,7 +387,7 @@ class HttpEngine:
         try:
             async with session.post(self.url, data=dumps(body)) as resp:
                 raw = await resp.read()
-                result = interpret(resp.status, raw, resp.headers.get("Retry-After"))
+                result = _interpret(resp.status, raw, resp.headers.get("Retry-After"))
         except TimeoutError:
             result = Failure("timeout", f"no complete answer within {self.cfg.request_timeout_s:g}s", True,
                              maybe_billed=True)
@@ -252,7 +399,7 @@ class HttpEngine:
             # Cancelled (the actor is going away) or a bug: the request may have been billed, so the reservation
             # stays spent; settling it keeps the ledger's arithmetic whole.
             asyncio.get_running_loop().create_task(
-                self.ledger.settle(dataset, reserved, reserved, 0.0, "", "neutral", None))
+                self.ledger.settle(dataset, reserved, reserved, None, "", "neutral", None, usd))
             raise
         seconds = time.perf_counter() - t0
         if isinstance(result, Failure):
@@ -260,16 +407,17 @@ class HttpEngine:
             if result.billed > 0 or result.maybe_billed:
                 # The budget caps what the provider bills: an unknown bill counts as the whole reservation.
                 charge = max(result.billed, reserved if result.maybe_billed else 0)
-                await self.ledger.settle(dataset, reserved, charge, result.cost, result.provider, outcome, None)
+                cost = result.cost if result.billed > 0 and not result.maybe_billed and result.cost else None
+                await self.ledger.settle(dataset, reserved, charge, cost, result.provider, outcome, None, usd)
                 self._journal(row, digest, "billed_failure", attempts, billed=result.billed, charged=charge,
                               cost=result.cost, provider=result.provider)
             else:
-                await self.ledger.release(dataset, reserved, result.provider, outcome)
+                await self.ledger.release(dataset, reserved, result.provider, outcome, usd)
             return _Attempt(None, result, seconds)
-        return await self._finish(result, thinking, row, digest, attempts, reserved, seconds)
+        return await self._finish(result, thinking, row, digest, attempts, reserved, seconds, usd)
 
     async def _finish(self, reply: Reply, thinking: bool, row: dict[str, Any], digest: str, attempts: int,
-                      reserved: int, seconds: float) -> _Attempt:
+                      reserved: int, seconds: float, usd: float = 0.0) -> _Attempt:
         """Journal the paid reply, rebuild ids, judge the provider, and settle the reservation with the bill."""
         dataset = str(row["dataset"])
         billed = reply.billed
@@ -278,7 +426,9 @@ class HttpEngine:
         self._journal(row, digest, "response", attempts, billed=billed, charged=charge, cost=reply.cost,
                       provider=reply.provider, reply=reply, seconds=seconds)
         attempt, outcome, drift = self._rebuild(reply, thinking, seconds)
-        await self.ledger.settle(dataset, reserved, charge, reply.cost, reply.provider, outcome, drift)
+        cost = reply.cost if getattr(reply, "cost_known", True) else None
+        self._learn_price(row, billed, cost)
+        await self.ledger.settle(dataset, reserved, charge, cost, reply.provider, outcome, drift, usd)
         return attempt
 
     def _rebuild(self, reply: Reply, thinking: bool, seconds: float) -> tuple[_Attempt, Outcome, int | None]:
@@ -325,7 +475,13 @@ class HttpEngine:
             rec.reasoning, rec.content, rec.tool_calls = c.reasoning, c.content, c.tool_calls
             rec.finish_reason, rec.native_finish_reason = c.finish_reason, reply.native_finish_reason
             rec.generation_id, rec.model = reply.generation_id, reply.model or self.cfg.model
-        self.journal.append(rec)
+        try:
+            self.journal.append(rec)
+        except (JournalError, OSError, ValueError) as e:
+            # A paid response we cannot journal: stop sending (the caller halts the source), never pile up.
+            if self._journal_failed is None:
+                self._journal_failed = self.redact(f"the response journal cannot be written: {e}")
+                log.error("source %r stops sending: %s", self.source_name, self._journal_failed)
 
     def _excluded(self) -> list[str]:
         """Configured exclusions plus the ledger's automatic ones (recomputed only when those change)."""
@@ -384,6 +540,15 @@ class HttpEngine:
 
     def redact(self, text: str) -> str:
         return redact(text, [self._key.get()])
+
+
+def _interpret(status: int, raw: bytes, retry_after: str | None) -> Reply | Failure:
+    """``interpret``, with a bug in it an outcome too: the bill is unknown, the row stays to do."""
+    try:
+        return interpret(status, raw, retry_after)
+    except Exception as e:  # noqa: BLE001 - interpret is total by contract; this only guards against a bug in it
+        log.error("interpret raised on a %s answer (%d bytes)", status, len(raw or b""), exc_info=True)
+        return Failure("body", f"unreadable answer ({type(e).__name__})", True, status, maybe_billed=True)
 
 
 def _account_problem(status: int | None) -> str:

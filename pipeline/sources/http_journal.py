@@ -7,16 +7,18 @@ A killed run keeps what it was billed for, and a resumed run reads the journal
 (:func:`load_responses`) to rebuild those samples without the network, and
 restores the ledger's spend from it (:func:`billed_by_dataset`).
 
-Durability without slowing the event loop: ``append`` only serialises and
-buffers; a background thread hands each batch to the OS as soon as it forms
-(that survives a SIGKILL of the process) and fsyncs at most once per
-``flush_every_s`` (that bounds what a host crash loses). Readers skip a torn
+Durability without slowing the event loop: ``append`` writes each record
+through to the OS before it returns (one ``os.write``; that survives a SIGKILL
+of the process), and a background thread fsyncs at most once per
+``flush_every_s`` (that bounds what a host crash loses). A failed write stops
+the journal and, through :class:`JournalError`, the source. Readers skip a torn
 last line (a kill mid-write).
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
 import json
 import logging
@@ -140,20 +142,31 @@ def journal_path(out: str | Path, source: str, actor_uuid: str) -> Path:
 
 
 class JournalError(RuntimeError):
-    """The journal could not be written; records stay buffered and are retried."""
+    """The journal cannot record billed responses (a write or fsync failed): the source must stop sending.
+
+    Raised by every ``append`` from the failing one on, and by ``flush``/``close``
+    of a failed journal. The message names the file and the OS error, never a record's content.
+    """
 
 
 class ResponseJournal:
     """Append-only journal of one source actor's billed responses.
 
-    ``append`` is cheap (serialise + buffer) and never blocks on disk; a daemon
-    thread writes each batch as it forms and fsyncs at most once per
-    ``flush_every_s``. ``flush`` writes and fsyncs now; ``close`` does the same
-    and stops the thread (also run at interpreter exit). Safe to call from one
-    asyncio loop and from other threads: a lock guards the buffer swap and
-    another orders writes, because the flusher is a second thread.
-    If writing fails the records stay buffered and are retried; ``error`` says
-    why (stop sending new requests while it is set) and ``flush`` raises it.
+    ``append`` writes its record through: one ``os.write`` of the whole line on an
+    O_APPEND descriptor (no Python-side buffer) before it returns, so a record is
+    the OS's once a request counts as answered and survives a SIGKILL of the
+    process. Writing to the page cache takes microseconds; what can stall
+    (``fsync``, slow on NFS) stays off the event loop: a daemon thread fsyncs at
+    most once per ``flush_every_s`` when something was written since, so a host
+    crash loses at most that window. ``flush`` fsyncs now; ``close`` fsyncs and
+    closes (also run at interpreter exit).
+
+    A failed write or fsync marks the journal failed for good (``error`` holds the
+    OS error) and raises :class:`JournalError`, then and on every later append:
+    a billed response that cannot be journaled must stop the source rather than
+    pile up in memory. Safe to call from one asyncio loop and from other threads:
+    a lock orders appends (a short write is finished before the next line starts),
+    another keeps ``fsync`` and ``close`` apart, and neither is held across the other's I/O.
     """
 
     def __init__(self, path: str | Path, flush_every_s: float = 1.0) -> None:
@@ -164,15 +177,12 @@ class ResponseJournal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         self._heal_tail()
-        self._pending: list[bytes] = []
-        self._buf_lock = threading.Lock()  # guards _pending and _closed
-        self._io_lock = threading.Lock()  # orders writes and fsyncs
-        self._wake = threading.Event()
+        self._write_lock = threading.Lock()  # orders appends; guards _closed and the descriptor's life
+        self._sync_lock = threading.Lock()  # one fsync at a time, never across close
+        self._stop = threading.Event()
         self._closed = False
-        self._unsynced = False
-        self._last_sync = time.monotonic()
-        self.error: OSError | None = None
-        self.appended = 0  # records accepted
+        self.error: OSError | None = None  # why the journal failed (it accepts nothing more)
+        self._failed_op = ""  # "write" or "fsync", once it failed
         self.written = 0  # records handed to the OS (survive a kill of this process)
         self.synced = 0  # records fsynced (survive a crash of the host)
         self._thread = threading.Thread(target=self._run, name=f"journal:{self.path.name}", daemon=True)
@@ -186,40 +196,49 @@ class ResponseJournal:
             os.write(self._fd, b"\n")
 
     def append(self, record: Record) -> None:
-        """Buffer one record; the flusher thread writes it within moments."""
+        """Write one record through to the OS before returning; :class:`JournalError` if it cannot be."""
         line = record.to_json()
-        with self._buf_lock:
+        with self._write_lock:
+            if self.error is not None:
+                raise self._failure()
             if self._closed:
                 raise ValueError(f"journal {self.path} is closed")
-            self._pending.append(line)
-            self.appended += 1
-        if not self._wake.is_set():
-            self._wake.set()
+            try:
+                done = os.write(self._fd, line)
+                while done < len(line):  # a short write (nearly full disk, a signal): finish this line first
+                    n = os.write(self._fd, memoryview(line)[done:])
+                    if n <= 0:
+                        raise OSError(errno.EIO, "write wrote nothing")
+                    done += n
+            except OSError as e:
+                self._fail(e, "write")
+                raise self._failure() from e
+            self.written += 1
 
     def flush(self) -> None:
-        """Write everything buffered and fsync now (blocking); raises :class:`JournalError` if writing fails."""
-        self._write(sync=True)
+        """fsync now (blocking); raises :class:`JournalError` if the journal failed (now or before)."""
+        self._sync()
         if self.error is not None:
-            raise JournalError(f"journal {self.path}: {self.error}") from self.error
+            raise self._failure()
 
     def close(self) -> None:
-        """Flush, fsync and close; idempotent."""
-        with self._buf_lock:
+        """fsync and close; idempotent. Raises :class:`JournalError` if the journal failed."""
+        with self._write_lock:
             if self._closed:
                 return
             self._closed = True
         atexit.unregister(self.close)
-        self._wake.set()
+        self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=30.0)
+            self._thread.join()
         try:
-            self._write(sync=True)
+            self._sync()
         finally:
-            with self._io_lock:
+            with self._write_lock, self._sync_lock:
                 os.close(self._fd)
                 self._fd = -1
         if self.error is not None:
-            raise JournalError(f"journal {self.path}: {self.error} ({len(self._pending)} record(s) not written)")
+            raise self._failure()
 
     def __enter__(self) -> ResponseJournal:
         return self
@@ -227,54 +246,42 @@ class ResponseJournal:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the flusher ---------------------------------------------------------
+    # -- durability and failure ------------------------------------------------
     def _run(self) -> None:
-        while True:
-            if self._unsynced:
-                timeout = max(0.0, self._last_sync + self.flush_every_s - time.monotonic())
-            else:
-                timeout = self.flush_every_s
-            self._wake.wait(timeout)
-            self._wake.clear()  # before taking the batch: an append after this sets it again
-            if self._closed:
-                return  # close() writes the rest on its own thread
-            try:
-                self._write(sync=False)
-            except Exception:  # noqa: BLE001 - a bug must not silently end journaling; flush/close retry
-                log.exception("journal %s: flusher failed", self.path)
+        while not self._stop.wait(self.flush_every_s):
+            self._sync()
 
-    def _write(self, *, sync: bool) -> None:
-        """Hand the buffer to the OS; fsync if asked or if the last fsync is ``flush_every_s`` old."""
-        with self._io_lock:
-            if self._fd < 0:
+    def _sync(self) -> None:
+        """fsync if anything was written since the last one (every record counted in ``written`` is covered)."""
+        with self._sync_lock:
+            target = self.written
+            # After a failed write the lines before it are still worth an fsync; after a failed fsync,
+            # another one proves nothing (the kernel reports a lost writeback once).
+            if self._fd < 0 or target == self.synced or self._failed_op == "fsync":
                 return
-            with self._buf_lock:
-                batch, self._pending = self._pending, []
             try:
-                if batch:
-                    data = b"".join(batch)
-                    done = 0
-                    try:
-                        while done < len(data):
-                            done += os.write(self._fd, data[done:])
-                    except OSError:
-                        # Keep exactly what did not reach the file, so a retry neither loses nor repeats a byte.
-                        with self._buf_lock:
-                            self._pending.insert(0, data[done:])
-                        self.written += data.count(b"\n", 0, done)
-                        raise
-                    self.written += data.count(b"\n")
-                    self._unsynced = True
-                if self._unsynced and (sync or time.monotonic() - self._last_sync >= self.flush_every_s):
-                    os.fsync(self._fd)
-                    self._last_sync = time.monotonic()
-                    self._unsynced = False
-                    self.synced = self.written
-                self.error = None
+                os.fsync(self._fd)
             except OSError as e:
-                if self.error is None:
-                    log.error("journal %s: write failed, records kept in memory and retried: %s", self.path, e)
-                self.error = e
+                self._fail(e, "fsync")
+                return
+            self.synced = target
+
+    def _fail(self, e: OSError, what: str) -> None:
+        if self.error is None:
+            self.error, self._failed_op = e, what
+            log.error("journal %s: %s failed, the source must stop: %s", self.path, what, _os_error_text(e))
+
+    def _failure(self) -> JournalError:
+        assert self.error is not None
+        return JournalError(f"journal {self.path}: {self._failed_op} failed: {_os_error_text(self.error)}"
+                            f" ({self.written} record(s) written before)")
+
+
+def _os_error_text(e: OSError) -> str:
+    """``No space left on device (ENOSPC)``: the errno's text and name, without whatever else an OSError carries."""
+    if e.errno is None:
+        return type(e).__name__
+    return f"{os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
 
 
 # -- reading ------------------------------------------------------------------------

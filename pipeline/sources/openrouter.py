@@ -30,6 +30,7 @@ from pipeline.records import SAMPLE_COLUMNS, SAMPLE_SCHEMA
 from pipeline.sources.http_engine import NOT_GENERATED, OK, QUARANTINED, HttpEngine, Secret
 from pipeline.sources.http_journal import Record, ResponseJournal, journal_path
 from pipeline.sources.http_ledger_client import ledger_client
+from pipeline.sources.http_replay import ReplayIndex
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,14 @@ class MissingKey(RuntimeError):
 
 
 def read_api_key(cfg: OpenRouterSourceConfig) -> Secret:
-    """The key from the environment variable the config names; errors name the variable, never a value."""
-    key = os.environ.get(cfg.api_key_env, "")
+    """The key from the environment variable this source may send (``cfg.key_env()``: OpenRouter's default
+    variable only to OpenRouter's host, another endpoint only the variable it names itself; None sends no key).
+    Errors name the variable, never a value."""
+    env = cfg.key_env()
+    key = os.environ.get(env, "") if env else ""
     if not key and cfg.api_key_required:
-        raise MissingKey(f"source {cfg.name!r}: environment variable {cfg.api_key_env} is not set "
-                           "(it must be set where the source actors run, before Ray starts)")
+        raise MissingKey(f"source {cfg.name!r}: environment variable {env or cfg.api_key_env} is not set "
+                         "(it must be set where the source actors run, before Ray starts)")
     return Secret(key)
 
 
@@ -101,14 +105,24 @@ class OpenRouterGenerator:
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             sampling = SamplingConfig.model_validate(sampling)
         self.profile = load_profile(profile_name, model_dir)
+        warm = getattr(self.profile.tokenizer, "encode_ordinary", None)
+        if warm is not None:  # built lazily otherwise: a half-second stall of the event loop at the first answer
+            warm("warm up")
         name = source_name or self.cfg.name
+        holder = f"{_actor_id()}:{uuid.uuid4().hex[:12]}"  # whose reservations: this engine in this actor
         # One journal file per actor (one writer per file); none outside a run folder (tests, benches).
-        journal = ResponseJournal(journal_path(output_dir, name, uuid.uuid4().hex[:12]),
-                                  flush_every_s=self.cfg.journal_flush_s) if output_dir else None
-        self.engine = HttpEngine(self.cfg, self.profile, ledger_client(ledger_handle), read_api_key(self.cfg),
+        journal, index = None, None
+        if output_dir:
+            path = journal_path(output_dir, name, holder.rsplit(":", 1)[1])
+            # What any actor of this folder was billed for, the dead predecessor's included, before sending.
+            index = ReplayIndex(path.parent, name, exclude=path)
+            journal = ResponseJournal(path, flush_every_s=self.cfg.journal_flush_s)
+        ledger = ledger_client(ledger_handle, holder, self.cfg.lease_s)
+        self.engine = HttpEngine(self.cfg, self.profile, ledger, read_api_key(self.cfg),
                                  sampling=sampling, source_name=name,
                                  rng=random.Random(seed) if seed is not None else None, journal=journal,
-                                 replay={k: _record(v) for k, v in (replay or {}).items()})
+                                 replay=index if replay is None and index is not None
+                                 else {k: _record(v) for k, v in (replay or {}).items()})
         self._active = 0
         if self.cfg.tune_gc:
             tune_gc()
@@ -126,6 +140,18 @@ class OpenRouterGenerator:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+def _actor_id() -> str:
+    """This Ray actor's id, or the process id outside an actor (tests, benches)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():  # get_runtime_context() would start a local Ray here
+            return f"pid{os.getpid()}"
+        return ray.get_runtime_context().get_actor_id() or f"pid{os.getpid()}"
+    except Exception:  # noqa: BLE001 - no Ray here
+        return f"pid{os.getpid()}"
 
 
 def _record(value: Any) -> Record:

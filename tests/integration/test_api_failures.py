@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from pipeline.ledger import read_journal
+
 pytestmark = pytest.mark.slow
 
 ROWS = 16
@@ -81,7 +83,7 @@ def write_config(tmp: Path, repo_root: Path, tiny_target: Path, port: int, budge
                      "max_concurrent_batches": 1, "max_in_flight": 4, "max_attempts": 3, "backoff_base_s": 0.05,
                      "backoff_max_s": 0.2, "max_retry_after_s": 0.2, "request_timeout_s": 2.0,
                      "circuit_failures": 6, "circuit_cooldown_s": 0.2, "circuit_give_up_s": 2.0,
-                     **({"budgets": {"chat": budget}} if budget is not None else {}), **source}],
+                     "budgets": {"chat": "unlimited" if budget is None else budget}, **source}],
         "training": None,
     }
     path = tmp / "run.yaml"
@@ -225,7 +227,7 @@ def test_high_fault_rates_tight_budget_and_kills_at_random_points(tmp_path, repo
     assert final.returncode in (0, 3), final.stdout[-3000:] + final.stderr[-3000:]
     check_accounting(cfg)
     assert billed <= budget, (billed, budget)
-    journal = json.loads((tmp_path / "out" / "ledger-api.json").read_text())
+    journal = read_journal(str(tmp_path / "out" / "ledger-api.json"))
     assert journal["chat"] <= budget
 
 
@@ -247,3 +249,219 @@ def test_two_drivers_on_one_folder(tmp_path, repo_root, tiny_target, env):
     assert "is in use by another run" in refused and "pid" in refused
     check_accounting(cfg, expect_to_do=0)
     assert counts["requests"] == ROWS  # the refused driver sent nothing
+
+
+# --------------------------------------------------------------------------- the second layer of faults
+
+FLIGHT = "OpenRouterFlight"  # the HTTP source's Ray Data actor class (in "MapWorker(MapBatches(...))")
+
+
+def http_actor_pids(dashboard: str) -> list[int]:
+    """Pids of the HTTP source actors alive on the session's cluster (its own head, by address)."""
+    from ray.util.state import list_actors
+
+    return [a.pid for a in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], detail=True,
+                                       limit=10_000, raise_on_missing_output=False)
+            if FLIGHT in (a.class_name or "") and a.pid]
+
+
+def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run exited {proc.returncode} while waiting for {what}")
+        time.sleep(0.1)
+    raise TimeoutError(f"no {what} within {timeout}s")
+
+
+def bills(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+
+
+def journaled_generation_ids(out: Path) -> set[str]:
+    """Generation ids of every response our journals hold: answers this folder received (and paid for)."""
+    ids = set()
+    for f in (out / "responses").glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("generation_id"):
+                ids.add(rec["generation_id"])
+    return ids
+
+
+def paid_twice(log: Path, out: Path) -> tuple[int, int]:
+    """(prompts the provider billed twice for answers we had received, prompts billed again after an answer we
+    never received: a request in flight when its process was killed)."""
+    received = journaled_generation_ids(out)
+    by_prompt: dict[str, list[str]] = {}
+    for b in bills(log):
+        by_prompt.setdefault(b["messages_sha256"], []).append(b["id"])
+    twice = sum(sum(i in received for i in ids) > 1 for ids in by_prompt.values())
+    again = sum(len(ids) > 1 for ids in by_prompt.values()) - twice
+    return twice, again
+
+
+def test_a_config_error_halts_the_source_then_the_fixed_config_passes(tmp_path, repo_root, tiny_target, env):
+    port = free_port()
+    server = Server(tmp_path, port, "--known-models", "tiny", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
+    try:
+        cfg = write_config(tmp_path, repo_root, tiny_target, port, model="tiny-typo")
+        bad = run(cfg, env)
+        asked = server.counts().get("requests", 0)
+        assert bad.returncode == 3, bad.stdout[-3000:] + bad.stderr[-3000:]
+        top = [ln for ln in bad.stdout.splitlines() if ln.strip().startswith("! source api: stopped: config error")]
+        assert len(top) == 1 and "No endpoints found" in top[0] and "config" in top[0], bad.stdout[-3000:]
+        st = check_accounting(cfg, expect_to_do=ROWS)
+        assert st["totals"]["quarantined"] == 0  # nothing is quarantined for a config error
+        assert asked < ROWS  # it stopped at once
+        fixed = write_config(tmp_path, repo_root, tiny_target, port, model="tiny")
+        good = run(fixed, env)
+    finally:
+        server.stop()
+    assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-3000:]
+    st = check_accounting(fixed, expect_to_do=0)
+    assert st["totals"]["passed"] == ROWS
+
+
+def test_sigkill_of_the_http_actor_under_a_binding_budget_ends_by_itself(tmp_path, repo_root, tiny_target, env,
+                                                                        ray_head):
+    """The HTTP actor is SIGKILLed with requests in flight and a budget below what the rows need. Its
+    reservations lapse with its lease (in doubt: counted as spent), so nobody waits on them forever: the run ends
+    by itself, each row once, and the provider's own bill stays under the cap and under what the ledger
+    committed."""
+    port = free_port()
+    budget = 8 * MAX_TOKENS
+    cfg = write_config(tmp_path, repo_root, tiny_target, port, budget=budget, lease_s=3.0, budget_wait_max_s=60.0,
+                       request_timeout_s=10.0)
+    server = Server(tmp_path, port, "--delay-ms", "500", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
+    try:
+        driver = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        wait_until(lambda: server.counts().get("served", 0) >= 2, 300, "2 served requests", driver)
+        pids = wait_until(lambda: http_actor_pids(ray_head.dashboard), 60, "the HTTP actor", driver)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)  # an OOM kill: no clean-up, its reservations never settled
+        text, _ = driver.communicate(timeout=300)  # before leases: waits forever on the dead actor's reservations
+        time.sleep(1.0)  # requests the kill left in flight finish on the server (and are billed)
+    finally:
+        billed = server.stop()["billed_completion_tokens"]
+    assert driver.returncode in (0, 3), text[-4000:]
+    check_accounting(cfg)
+    committed = read_journal(str(tmp_path / "out" / "ledger-api.json"))["chat"]
+    assert billed <= budget and billed <= committed <= budget, (billed, committed, budget)
+
+
+def test_kills_of_driver_and_actor_at_random_points_never_pay_twice(tmp_path, repo_root, tiny_target, env,
+                                                                     ray_head):
+    """The HTTP actor and the driver SIGKILLed at seeded random moments, then a resume: every row exactly once,
+    and by the provider's own bill log no prompt was billed twice for an answer this folder had received (a
+    restarted actor reads every journal of the folder, its dead predecessor's included, before it sends)."""
+    port = free_port()
+    log = tmp_path / "bills.jsonl"
+    cfg = write_config(tmp_path, repo_root, tiny_target, port, lease_s=3.0)
+    server = Server(tmp_path, port, "--delay-ms", "300", "--bill-log", str(log), "--api-key-env",
+                    "FAULT_MATRIX_KEY", env=env)
+    rng = random.Random(23)
+    try:
+        for attempt in range(2):
+            driver = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=env,
+                                      start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            start = server.counts().get("requests", 0)
+            wait_until(lambda start=start: server.counts().get("requests", 0) > start, 300, "a request", driver)
+            if attempt == 0:  # the actor first (Ray restarts it and re-runs its batch), then the driver
+                time.sleep(rng.uniform(0.3, 1.5))
+                for pid in http_actor_pids(ray_head.dashboard):
+                    os.kill(pid, signal.SIGKILL)
+                wait_until(lambda: http_actor_pids(ray_head.dashboard), 120, "the restarted HTTP actor", driver)
+            time.sleep(rng.uniform(0.5, 2.0))
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+            check_accounting(cfg, finished=False)
+        final = run(cfg, env)
+        time.sleep(1.0)
+    finally:
+        server.stop()
+    assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
+    check_accounting(cfg, expect_to_do=0)
+    twice, again = paid_twice(log, tmp_path / "out")
+    print(f"prompts billed twice for a received answer: {twice}; billed again after an answer lost in flight at a "
+          f"kill: {again}")
+    assert twice == 0
+
+
+def test_a_pool_no_node_can_hold_exits_3_at_once_naming_the_resource(tmp_path, repo_root, tiny_target, env):
+    port = free_port()
+    cfg = write_config(tmp_path, repo_root, tiny_target, port, resources={"api_node_nowhere": 1})
+    raw = yaml.safe_load(cfg.read_text())
+    raw["ray"] = {"placement_timeout_s": 3}
+    cfg.write_text(yaml.safe_dump(raw))
+    t0 = time.time()
+    res = run(cfg, env, timeout=300)
+    took = time.time() - t0
+    assert res.returncode == 3, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "no node has api_node_nowhere 1" in res.stdout and f"{ROWS} prompts left to do" in res.stdout
+    assert took < 60, took  # not Ray Data's half-hour no-progress wait
+    st = status(cfg)
+    assert st["totals"]["to_do"] == ROWS
+
+
+def test_a_dollar_budget_binds_on_prompt_and_completion_cost(tmp_path, repo_root, tiny_target, env):
+    """usage.cost covers prompt and completion tokens; the dollar cap binds before the token cap would, and the
+    provider's own bill in dollars stays under it."""
+    port = free_port()
+    cap = 0.1  # a prompt costs ~$0.01 at this price (its words): some rows fit, not all 16
+    cfg = write_config(tmp_path, repo_root, tiny_target, port, budgets_usd={"chat": cap},
+                       prices={"prompt_usd_per_mtok": 500.0, "completion_usd_per_mtok": 100.0})
+    server = Server(tmp_path, port, "--prompt-price", "0.0005", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
+    try:
+        res = run(cfg, env)
+        time.sleep(0.5)
+    finally:
+        counts = server.stop()
+    billed_usd = counts.get("billed_cost_nano_usd", 0) / 1e9
+    assert res.returncode == 3, res.stdout[-3000:] + res.stderr[-3000:]  # the cap binds: rows left to do
+    st = check_accounting(cfg)
+    assert 0 < st["totals"]["passed"] < ROWS and st["totals"]["quarantined"] == 0
+    assert 0 < billed_usd <= cap, (billed_usd, cap)
+
+
+def test_a_frozen_driver_loses_its_lock_stops_spending_and_the_new_holder_finishes(tmp_path, repo_root, tiny_target,
+                                                                                  env):
+    """Driver A is frozen (SIGSTOP: a GC pause, a suspended VM) past its lock's staleness while its actors go
+    on; driver B takes the folder over and runs. A's ledger sees the takeover within a second and grants nothing
+    more; A, let go (SIGCONT), writes nothing and exits 2 naming B. Every row once, the provider's bill under
+    the cap."""
+    port = free_port()
+    budget = 10 * MAX_TOKENS
+    cfg = write_config(tmp_path, repo_root, tiny_target, port, budget=budget)
+    lock_env = {**env, "PIPELINE_LOCK_HEARTBEAT_S": "0.5", "PIPELINE_LOCK_STALE_S": "3"}
+    server = Server(tmp_path, port, "--delay-ms", "300", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
+    try:
+        a = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=lock_env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        wait_until(lambda: server.counts().get("served", 0) >= 2, 300, "2 served requests", a)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            time.sleep(4.0)  # past the staleness: A's heartbeat is frozen with it
+            b = run(cfg, lock_env)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        a_text, _ = a.communicate(timeout=300)
+        time.sleep(1.0)
+    finally:
+        billed = server.stop()["billed_completion_tokens"]
+    assert b.returncode in (0, 3), b.stdout[-3000:] + b.stderr[-3000:]
+    assert a.returncode == 2, a_text[-3000:]
+    # it names who holds the folder now (or that nobody does: B may have finished and released it first)
+    assert "lock run.lock was lost" in a_text and ("now held by" in a_text or "no run holds it now" in a_text), \
+        a_text[-3000:]
+    check_accounting(cfg)  # B's report and the files agree; no id twice
+    committed = read_journal(str(tmp_path / "out" / "ledger-api.json"))["chat"]
+    assert billed <= budget and committed <= budget, (billed, committed, budget)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeline.ledger import read_journal
 from tests.helpers.cluster import Nodes, WorkerNode, slow_steps
 from tests.integration.test_api_failures import (
     KEY,
@@ -89,14 +90,14 @@ def ledger_nodes(nodes: Nodes, before: set[str]) -> list[str]:
 
 def spend_line(cfg: Path, billed: int, budget: int, st: dict) -> str:
     t = st["totals"]
-    committed = json.loads((cfg.parent / "out" / "ledger-api.json").read_text()).get("chat", 0)
+    committed = read_journal(str(cfg.parent / "out" / "ledger-api.json")).get("chat", 0)
     return (f"rows {t['rows']}: passed {t['passed']}, quarantined {t['quarantined']}, to do {t['to_do']}; "
             f"server billed {billed} <= budget {budget}; ledger committed {committed}")
 
 
 def check_spend(cfg: Path, billed: int, budget: int) -> None:
     """The provider's bill is under the cap, and the ledger never committed less than the provider billed."""
-    committed = json.loads((cfg.parent / "out" / "ledger-api.json").read_text()).get("chat", 0)
+    committed = read_journal(str(cfg.parent / "out" / "ledger-api.json")).get("chat", 0)
     assert billed <= budget, (billed, budget)
     assert committed <= budget and billed <= committed, (billed, committed, budget)
 

@@ -119,12 +119,13 @@ def test_every_fault_ends_in_its_class(profile, caplog):
     retries = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("retrying d:0 after")]
     assert r["attempts"] == len(retries) + 1 and not any("400" in m for m in retries), retries
     stuck = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("retrying d:5 after")]
-    assert len(stuck) == cfg.max_attempts - 1 and all("502" in m for m in stuck), stuck  # the log is complete
+    # the log is complete; on a loaded machine an attempt may time out before its 502 comes (both transient)
+    assert len(stuck) == cfg.max_attempts - 1 and all("502" in m or "timeout" in m for m in stuck), stuck
     for i in STUCK:
         r = by_id[f"d:{i}"]
         assert r["status"] == "not_generated" and r["attempts"] == cfg.max_attempts, r
         assert r["error"].startswith(f"transient failures, {cfg.max_attempts} attempt(s)")
-    assert "502" in by_id["d:5"]["error"] and "error" in by_id["d:7"]["error"]
+    assert ("502" in by_id["d:5"]["error"] or "timeout" in by_id["d:5"]["error"]) and "error" in by_id["d:7"]["error"]
     assert "timeout" in by_id["d:8"]["error"]
 
     for r in out:
@@ -392,10 +393,12 @@ def test_a_prompt_that_keeps_failing_is_quarantined_after_transient_runs_runs(pr
 
     rows = prompt_rows(8, markers={2: "always-502"})
     with serve_in_thread(ServerConfig(seed=6), CannedBackend(2, profile)) as (url, _server):
-        cfg = source_cfg(url, api_key_required=False, max_attempts=2, transient_runs=2)
-        for _ in range(2):
+        cfg = source_cfg(url, api_key_required=False, max_attempts=2, transient_runs=2, budgets={"d": "unlimited"})
+        for attempt in range(2):
+            # the other prompts of a resumed run are new ones (the ones answered before were written, so skipped)
+            batch = [rows[2], *prompt_rows(7, f"other{attempt}")]
             gen = OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg), output_dir=str(tmp_path))
-            out = {r["sample_id"]: r for r in run_local(gen, rows)}
+            out = {r["sample_id"]: r for r in run_local(gen, batch)}
             assert out["d:2"]["status"] == "not_generated" and out["d:2"]["failure_class"] == "transient"
     run_cfg = RunConfig(output_dir=str(tmp_path), model={"profile": "deepseek"},
                         datasets=[{"name": "d", "path": "d.jsonl"}], sources=[cfg])
@@ -405,7 +408,8 @@ def test_a_prompt_that_keeps_failing_is_quarantined_after_transient_runs_runs(pr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    down = source_cfg(f"http://127.0.0.1:{port}/api/v1", api_key_required=False, max_attempts=2, transient_runs=1)
+    down = source_cfg(f"http://127.0.0.1:{port}/api/v1", api_key_required=False, max_attempts=2, transient_runs=1,
+                      budgets={"e": "unlimited"})
     for _ in range(2):
         run_local(OpenRouterGenerator(down, "deepseek", None, local_ledger(down), output_dir=str(tmp_path / "x")),
                   prompt_rows(4, "e"))

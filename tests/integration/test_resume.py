@@ -16,6 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from pipeline.ledger import read_journal
+
 pytestmark = pytest.mark.slow
 
 DATASETS = [("chat", "chat.jsonl", "messages"), ("code", "code.jsonl", "sharegpt"), ("math", "math.jsonl",
@@ -82,7 +84,7 @@ def test_killed_driver_resumes_exactly_once_without_overspend(ray_head, tmp_path
     assert killed["totals"]["passed"] + killed["totals"]["quarantined"] == written_before
     assert killed["totals"]["to_do"] == ROWS - written_before
     committed = {d: v["committed"] for d, v in killed["spend"]["api"]["datasets"].items()}
-    assert committed == json.loads((out / "ledger-api.json").read_text())  # in flight at the kill included
+    assert committed == read_journal(str(out / "ledger-api.json"))  # in flight at the kill included
     assert {d: v["budget"] for d, v in killed["spend"]["api"]["datasets"].items()} == budgets
     assert killed["manifest"] == {"present": True, "differences": []}
 
@@ -111,7 +113,7 @@ def test_killed_driver_resumes_exactly_once_without_overspend(ray_head, tmp_path
     with urllib.request.urlopen(api_server + "/stats") as resp:
         billed_by_server = json.load(resp)["counts"]["billed_completion_tokens"]
     assert billed_by_server <= sum(budgets.values())
-    journal = json.loads((out / "ledger-api.json").read_text())
+    journal = read_journal(str(out / "ledger-api.json"))
     assert all(journal[d] <= budgets[d] for d in budgets)
     done = _status(cfg_path)  # to do now: exactly the prompts math's budget left ungenerated
     assert done["totals"]["to_do"] == report["not_generated"] and done["datasets"]["math"]["to_do"] > 0

@@ -207,7 +207,7 @@ def test_engine_resources_per_tensor_parallel_layout(ray_session):
             remove_placement_group(pg)  # a CPU cluster can never place it
 
 
-def test_engine_pool_scales_up_to_max_actors_each_starting_once(repo_root, clean_target, ray_session):
+def test_engine_pool_scales_up_to_max_actors_each_starting_once(repo_root, clean_target, ray_session, ray_head):
     """num_actors 1, max_actors 2: a queue of batches behind one busy engine makes Ray Data add the second
     actor; each actor starts its engine once (no restarts) and serves several batches; every prompt once."""
     import ray.data
@@ -218,8 +218,10 @@ def test_engine_pool_scales_up_to_max_actors_each_starting_once(repo_root, clean
     actor_class = "MapWorker(MapBatches(TransformersGenerator))"
 
     def engine_actors() -> dict[str, object]:
-        return {a.actor_id: a for a in list_actors(filters=[("class_name", "=", actor_class)], detail=True,
-                                                  limit=10_000, raise_on_missing_output=False)}
+        # the session's own head, by its address: a machine running other Ray jobs has more than one Ray
+        found = list_actors(address=ray_head.dashboard, filters=[("class_name", "=", actor_class)], detail=True,
+                            limit=10_000, raise_on_missing_output=False)
+        return {a.actor_id: a for a in found}
 
     before = set(engine_actors())
     d = DatasetConfig(name="chat", path=str(repo_root / "data/prompts/chat.jsonl"))

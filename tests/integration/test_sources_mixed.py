@@ -185,7 +185,8 @@ def test_overflow_spills_prompts_a_late_local_engine_has_not_started(repo_root, 
     def go(budget: int | None) -> tuple[dict, list[dict]]:
         out = tmp_path / f"spill-{budget}"
         api = OpenRouterSourceConfig(name="api", base_url=api_url, model="tiny/deepseek-tiny", api_key_required=False,
-                                     num_actors=1, num_cpus=0.25, batch_size=4, default_budget=budget)
+                                     num_actors=1, num_cpus=0.25, batch_size=4,
+                                     default_budget="unlimited" if budget is None else budget)
         cfg = RunConfig(
             output_dir=str(out), model={"profile": "deepseek", "path": str(tiny_target)}, training=None,
             sampling={"temperature": 0.0, "max_tokens": 8},

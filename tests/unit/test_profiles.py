@@ -408,3 +408,58 @@ def test_silence_finds_loaded_kimi_modules(kimi: Profile) -> None:
     # Any object that is not Kimi's tokenizer itself (an engine's wrapper, say): the loaded modules.
     assert name in {lg.name for lg in silence_kimi_encode_warning(kimi.tokenizer)}
     assert not any(isinstance(f, KimiEncodeWarningFilter) for f in logging.getLogger("pipeline.profiles").filters)
+
+
+# -- a model folder that cannot give its tokenizer or template is refused, never silently replaced ----------
+
+
+def test_a_loadable_folder_passes_the_check(tmp_path: Path) -> None:
+    from pipeline.profiles import check_model_folder
+
+    assert check_model_folder("deepseek", str(_deepseek_folder(tmp_path))) is None
+    assert check_model_folder("kimi-k2.5", str(_kimi_folder(tmp_path, KIMI_TEMPLATE))) is None
+
+
+@pytest.mark.parametrize(("breakage", "expected"), [
+    (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json: no such file"),
+    (lambda d: (d / "tokenizer.json").write_text('{"model": '), "tokenizer.json: not a readable tokenizer.json"),
+    (lambda d: (d / "tokenizer.json").write_bytes(b"\xff\xfe"), "tokenizer.json: not a readable tokenizer.json"),
+    (lambda d: (d / "tokenizer_config.json").write_text("{oops"), "tokenizer_config.json: not valid JSON"),
+    (lambda d: (d / "chat_template.jinja").write_bytes(b"{{ bos_token }}\xe9"), "chat_template.jinja: not UTF-8"),
+    (lambda d: (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m"),
+     "chat template of"),
+    (lambda d: (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "tool_use",
+                                                                                       "template": "x"}]})),
+     "none named 'default'"),
+    (lambda d: (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": 7})), "chat_template is a int"),
+])
+def test_a_deepseek_folder_that_cannot_give_its_tokenizer_or_template_is_refused(tmp_path, breakage, expected):
+    """These failed inside a Ray actor after Ray started (or, for the template list, fell back to the built-in
+    layout); now the check names the file before anything starts."""
+    from pipeline.profiles import check_model_folder
+
+    folder = _deepseek_folder(tmp_path)
+    breakage(folder)
+    reason = check_model_folder("deepseek", str(folder))
+    assert reason is not None and expected in reason and str(folder) in reason, reason
+
+
+def test_a_qwen3_folder_without_its_tokenizer_never_falls_back_to_the_packaged_one(tmp_path: Path) -> None:
+    """Before: a folder without tokenizer.json silently got the packaged Qwen tokenizer and lost its template."""
+    from pipeline.profiles import check_model_folder
+
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_profile("qwen3", str(tmp_path))
+    assert "tokenizer.json: no such file" in (check_model_folder("qwen3", str(tmp_path)) or "")
+    # a tokenizer that is not Qwen's lacks the tokens the profile needs: named, not a KeyError in an actor
+    shutil.copyfile(deepseek_tokenizer_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
+    assert "a token it needs is missing (<|im_end|>)" in (check_model_folder("qwen3", str(tmp_path)) or "")
+
+
+def test_a_kimi_folder_without_its_rank_file_is_refused(tmp_path: Path) -> None:
+    from pipeline.profiles import check_model_folder
+
+    folder = _kimi_folder(tmp_path, None)
+    (folder / "tiktoken.model").unlink()
+    assert "tiktoken.model: no such file" in (check_model_folder("kimi-k2.5", str(folder)) or "")

@@ -1,21 +1,31 @@
-"""The run lock: one writer per output folder, a clear refusal naming the holder, stale locks recovered."""
+"""The run lock: one writer per output folder, a clear refusal naming the holder, stale locks recovered; a lost
+lock is never clobbered and stops its writers (the heartbeat's compare-and-swap, ``ensure_held``, WriteShards)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from pipeline import run_lock
+from pipeline.flight import rows_to_table
 from pipeline.layout import RunLayout
-from pipeline.run_lock import HOST, LockHeld, RunLock, read_lock
+from pipeline.records import empty_sample
+from pipeline.run_lock import HOST, LockHeld, LockLost, RunLock, current_lock, guard_path, on_lock_lost, read_lock
+from pipeline.stages import WriteShards, shard_name
 
 
 def _write_lock(path: Path, *, host: str, pid: int, heartbeat_at: float, token: str | None = None) -> str:
@@ -205,3 +215,276 @@ def test_eight_processes_racing_to_break_a_stale_lock_exactly_one_wins(tmp_path:
     out = _race(path)
     assert sum(kind == "won" for kind, _, _ in out) == 1
     assert not list(tmp_path.glob(".run.lock.stale.*"))
+
+
+# -- a lost lock is never clobbered, and stops its holder ---------------------------------------------------------
+def _age(lock: RunLock, seconds: float) -> None:
+    """Make a held lock look stale (same token): as if its holder had been frozen for ``seconds``."""
+    _write_lock(lock.path, host=HOST, pid=os.getpid(), heartbeat_at=time.time() - seconds, token=lock.token)
+
+
+def test_takeover_attempt_during_a_heartbeat_never_clobbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder is paused between its ownership check and its rename while a contender breaks its (stale-looking)
+    lock: the old read-then-rewrite heartbeat clobbered the new lock and left two runs each believing it held the
+    folder. Now the contender waits for the guard, and afterwards exactly one run believes, and it is the file's."""
+    a = RunLock.for_folder(tmp_path, heartbeat_s=30, stale_after_s=60, settle_s=0).acquire()
+    b = RunLock(a.path, heartbeat_s=30, stale_after_s=60, settle_s=0)
+    _age(a, 120)
+    holder_paused = threading.Event()  # a checked its token and is about to rename its new record over the lock
+    contender_waiting = threading.Event()  # b reached the guard, or b finished
+    real_replace, real_guard = os.replace, getattr(run_lock, "_guard", None)
+
+    def replace(src: Any, dst: Any) -> None:
+        if threading.current_thread().name == "holder" and Path(dst) == a.path:
+            holder_paused.set()
+            assert contender_waiting.wait(10)
+        real_replace(src, dst)
+
+    def guard(path: Any, wait_s: float) -> Any:
+        if threading.current_thread().name == "contender":
+            contender_waiting.set()
+        return real_guard(path, wait_s)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(run_lock, "_guard", guard, raising=False)
+    beats: list[bool] = []
+    refused: list[LockHeld] = []
+
+    def contend() -> None:
+        try:
+            b.acquire()
+        except LockHeld as e:
+            refused.append(e)
+        finally:
+            contender_waiting.set()
+
+    holder = threading.Thread(target=lambda: beats.append(a.beat()), name="holder")
+    contender = threading.Thread(target=contend, name="contender")
+    holder.start()
+    assert holder_paused.wait(10)
+    contender.start()
+    holder.join(30)
+    contender.join(30)
+    try:
+        owner = json.loads(a.path.read_text())["token"]
+        believers = [lock for lock in (a, b) if lock.held]
+        assert [lock.token for lock in believers] == [owner]
+        assert beats == [True] and refused  # the heartbeat landed first and made the lock fresh again
+    finally:
+        a.release()
+        b.release()
+
+
+def test_heartbeat_rechecks_before_its_rename_where_the_filesystem_has_no_locks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without flock (ENOLCK: NFS without lockd) a takeover between the heartbeat's first read and its rename is
+    caught by the re-read before the rename: the new lock stays, the old holder learns it lost."""
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lost: list[str] = []
+    a = RunLock.for_folder(tmp_path, heartbeat_s=30, stale_after_s=60, settle_s=0, on_lost=lost.append).acquire()
+    b = RunLock(a.path, heartbeat_s=30, stale_after_s=60, settle_s=0)
+    _age(a, 120)
+    real_temp = run_lock.temp_path
+
+    def takeover_then_temp(path: Any) -> Path:  # the heartbeat has read its token and now writes its temp file
+        b.acquire()
+        return real_temp(path)
+
+    monkeypatch.setattr(run_lock, "temp_path", takeover_then_temp)
+    try:
+        assert a.beat() is False
+        assert json.loads(a.path.read_text())["token"] == b.token and b.held
+        assert a.lost and lost == [run_lock.TAKEN_OVER] and not a.held
+    finally:
+        monkeypatch.setattr(run_lock, "temp_path", real_temp)
+        a.release()
+        b.release()
+
+
+def test_heartbeat_skips_rather_than_writes_while_another_process_holds_the_guard(tmp_path: Path) -> None:
+    lock = RunLock.for_folder(tmp_path, heartbeat_s=0.2, stale_after_s=60, settle_s=0).acquire()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()", str(guard_path(lock.path))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        before = lock.path.read_bytes()
+        assert lock.beat() is True  # waited heartbeat_s, then skipped: no write without the guard
+        assert lock.path.read_bytes() == before and lock.held
+    finally:
+        child.stdin.close()
+        child.wait(30)
+    assert lock.beat() is True
+    assert json.loads(lock.path.read_bytes())["heartbeat_at"] > json.loads(before)["heartbeat_at"]
+    lock.release()
+
+
+def test_ensure_held_reads_the_file_names_the_new_holder_and_tells_everyone_once(tmp_path: Path) -> None:
+    lost: list[str] = []
+    heard: list[str] = []
+    unsubscribe = on_lock_lost(heard.append)
+    try:
+        lock = RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0, on_lost=lost.append).acquire()
+        assert current_lock() is lock
+        lock.ensure_held()  # ours: no error
+        _write_lock(lock.path, host="other-host.example", pid=4242, heartbeat_at=time.time())
+        for _ in range(2):  # long before the next heartbeat (30 s)
+            with pytest.raises(LockLost) as err:
+                lock.ensure_held()
+            msg = str(err.value)
+            assert "other-host.example" in msg and "pid 4242" in msg and "\n" not in msg
+            assert err.value.holder is not None and err.value.holder["pid"] == 4242
+        assert lost == heard == [run_lock.TAKEN_OVER]  # once each, however often the loss is seen
+        assert not lock.held and lock.beat() is False
+        lock.release()
+        assert current_lock() is None
+        assert json.loads(lock.path.read_text())["pid"] == 4242
+    finally:
+        unsubscribe()
+
+
+def test_subscriber_after_the_loss_is_called_at_once_and_unsubscribe_stops_calls(tmp_path: Path) -> None:
+    lock = RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0).acquire()
+    try:
+        early: list[str] = []
+        stop = on_lock_lost(early.append)
+        stop()
+        lock.path.unlink()
+        with pytest.raises(LockLost, match="removed.*no run holds it now"):
+            lock.ensure_held()
+        assert early == []
+        late: list[str] = []
+        on_lock_lost(late.append)()
+        assert late == [run_lock.REMOVED]
+    finally:
+        lock.release()
+
+
+def test_the_heartbeat_thread_finds_a_loss_and_calls_on_lost(tmp_path: Path) -> None:
+    lost = threading.Event()
+    reasons: list[str] = []
+    lock = RunLock.for_folder(tmp_path, heartbeat_s=0.05, settle_s=0,
+                              on_lost=lambda r: (reasons.append(r), lost.set())).acquire()
+    try:
+        lock.path.unlink()
+        assert lost.wait(10)
+        assert reasons == [run_lock.REMOVED] and lock.lost
+        assert not lock.path.exists()  # the old holder never recreates a lock it lost
+    finally:
+        lock.release()
+
+
+def test_leaving_the_with_block_of_a_lost_lock_raises_lock_lost(tmp_path: Path) -> None:
+    """Whatever the body failed with (a Ray job ended by a writer refusing), or if it finished: LockLost, exit 2."""
+    with pytest.raises(LockLost, match="other-host.example") as err:
+        with RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0) as lock:
+            _write_lock(lock.path, host="other-host.example", pid=1, heartbeat_at=time.time())
+            raise RuntimeError("Ray Data job failed")
+    assert isinstance(err.value.__cause__, RuntimeError)
+    (tmp_path / "run.lock").unlink()
+    with pytest.raises(LockLost, match="other-host.example"):
+        with RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0) as lock:
+            _write_lock(lock.path, host="other-host.example", pid=1, heartbeat_at=time.time())
+    (tmp_path / "run.lock").unlink()
+    with pytest.raises(ValueError, match="unrelated"):  # a failure of a run that kept its lock stays itself
+        with RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0):
+            raise ValueError("unrelated")
+    assert not (tmp_path / "run.lock").exists()
+
+
+def test_fence_runs_the_commit_only_while_the_lock_is_ours(tmp_path: Path) -> None:
+    lock = RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0).acquire()
+    try:
+        with lock.fence():
+            (tmp_path / "first").write_text("ours")
+        with run_lock.fence(lock.path, lock.token):
+            (tmp_path / "second").write_text("ours")
+        _write_lock(lock.path, host="other-host.example", pid=1, heartbeat_at=time.time())
+        with pytest.raises(LockLost), run_lock.fence(lock.path, lock.token):
+            (tmp_path / "late").write_text("not ours")
+        with pytest.raises(LockLost), lock.fence():
+            (tmp_path / "late").write_text("not ours")
+        assert not (tmp_path / "late").exists() and lock.lost
+    finally:
+        lock.release()
+
+
+# -- WriteShards: writes only while the lock is ours, never a sample twice ---------------------------------------------
+def _flight(sample_id: str, status: str = "ok") -> dict[str, Any]:
+    row = empty_sample({"sample_id": sample_id, "dataset": "d", "row_index": 0, "messages": "[]", "thinking": False,
+                        "prompt_ids": [1, 2], "prompt_assistant_mask": [0, 0]})
+    row.update(output_ids=[3, 4], status=status, stage="validate" if status == "quarantine" else "",
+               reason="too long" if status == "quarantine" else "")
+    return row
+
+
+def _batch(*rows: dict[str, Any]) -> pa.Table:
+    return rows_to_table(list(rows))
+
+
+def _ids(folder: Path) -> list[str]:
+    return sorted(i for f in folder.glob("*.parquet") for i in pq.read_table(f, columns=["sample_id"])["sample_id"]
+                  .to_pylist())
+
+
+def test_write_shards_keeps_its_positional_form(tmp_path: Path) -> None:
+    out = WriteShards(str(tmp_path))(_batch(_flight("a"), _flight("b", "quarantine")))
+    assert out["status"].to_pylist() == ["ok", "quarantine"]
+    assert _ids(RunLayout(tmp_path).samples) == ["a"] and _ids(RunLayout(tmp_path).quarantine) == ["b"]
+
+
+def test_write_shards_never_writes_a_sample_twice(tmp_path: Path) -> None:
+    layout = RunLayout(tmp_path)
+    writer = WriteShards(str(tmp_path), done_ids=iter(["done"]))
+    out = writer(_batch(_flight("done"), _flight("b"), _flight("c", "quarantine"), _flight("b"),
+                        _flight("r", "reroute")))
+    assert out["status"].to_pylist() == ["duplicate", "ok", "quarantine", "duplicate", "reroute"]
+    assert [f.name for f in layout.samples.glob("*.parquet")] == [shard_name(["b"])]  # named by what it holds
+    assert [f.name for f in layout.quarantine.glob("*.parquet")] == [shard_name(["c"])]
+    out = writer(_batch(_flight("b"), _flight("c"), _flight("d")))  # a retried or re-fed batch
+    assert out["status"].to_pylist() == ["duplicate", "duplicate", "ok"]
+    assert _ids(layout.samples) == ["b", "d"] and _ids(layout.quarantine) == ["c"]
+    out = writer(_batch(_flight("b")))  # nothing new: no shard at all
+    assert out["status"].to_pylist() == ["duplicate"] and len(list(layout.samples.glob("*.parquet"))) == 2
+
+
+def test_write_shards_refuses_after_a_takeover(tmp_path: Path) -> None:
+    layout = RunLayout(tmp_path)
+    lock = RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0).acquire()
+    try:
+        writer = WriteShards(str(tmp_path), lock_path=str(lock.path), token=lock.token, done_ids=[])
+        writer(_batch(_flight("a")))
+        assert _ids(layout.samples) == ["a"]
+        _write_lock(lock.path, host="other-host.example", pid=4242, heartbeat_at=time.time())
+        with pytest.raises(LockLost, match="other-host.example pid 4242"):
+            writer(_batch(_flight("b"), _flight("c", "quarantine")))
+        assert _ids(layout.samples) == ["a"] and _ids(layout.quarantine) == []
+        assert sorted(p.name for p in layout.samples.iterdir()) == [shard_name(["a"])]  # no temp file either
+        with pytest.raises(ValueError, match="both"):
+            WriteShards(str(tmp_path), lock_path=str(lock.path))
+    finally:
+        lock.release()
+
+
+def test_cli_run_whose_lock_was_taken_over_exits_2_naming_the_new_holder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run ended by a writer's refusal (the Ray job fails with its own error) is one line and exit 2."""
+    from pipeline import cli
+    from pipeline import run as run_module
+    from pipeline.console import Console
+
+    def taken_over_run(cfg: Any, console: Any) -> dict[str, Any]:
+        with RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0) as lock:
+            _write_lock(lock.path, host="other-host.example", pid=4242, heartbeat_at=time.time())
+            raise RuntimeError("Ray Data job failed: WriteShards raised LockLost")
+
+    monkeypatch.setattr(cli, "_load", lambda args, check_paths=True: object())
+    monkeypatch.setattr(Console, "for_cli", classmethod(lambda cls, **kw: Console()))
+    monkeypatch.setattr(run_module, "run", taken_over_run)
+    assert cli.main(["run", "job.yaml"]) == cli.EXIT_REFUSED == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("stopped: ") and "other-host.example pid 4242" in err[0]

@@ -19,6 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 BIG = 600 * 10**9  # bytes: a ~1T-parameter MoE in INT4
 
 
+@pytest.fixture(autouse=True)
+def _no_tokenizer_check(monkeypatch):
+    """These folders hold a config and an index only (sizing reads nothing else); the tokenizer check that
+    load_config also runs on a model folder is tested in test_profiles and test_config."""
+    monkeypatch.setattr("pipeline.profiles.check_model_folder", lambda name, model_dir: None)
+
+
 def fake_model(folder: Path, total_size: int | None = BIG) -> Path:
     """A model folder holding only a config.json and (optionally) a safetensors index."""
     folder.mkdir(parents=True, exist_ok=True)

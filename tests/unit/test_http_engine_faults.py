@@ -1,0 +1,202 @@
+"""The HTTP engine's second layer of faults, in process against the local stand-in server (no Ray): config
+errors halt instead of quarantining, moderation quarantines one prompt, odd answers are outcomes, one row's bug
+never takes its siblings, keys stay home, a journal that cannot be written stops spending, budget held by a dead
+actor's requests never parks a prompt forever, and a new actor replays what another actor of the folder paid."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import pytest
+
+from pipeline.config import OpenRouterSourceConfig
+from pipeline.ledger import Ledger
+from pipeline.openrouter_server import CannedBackend, ServerConfig, serve_in_thread
+from pipeline.profiles import load_profile
+from pipeline.sources.http_engine import key_may_go_to
+from pipeline.sources.http_journal import JournalError
+from pipeline.sources.openrouter import OpenRouterGenerator
+
+KEY_ENV = "HTTP_ENGINE_FAULTS_KEY"
+KEY = "sk-or-v1-enginefaults-0a1b2c3d4e5f6a7b"
+MODEL = "tiny/deepseek-tiny"
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return load_profile("deepseek")
+
+
+def rows_(n: int, dataset: str = "d", markers: dict[int, str] | None = None) -> list[dict]:
+    out = []
+    for i in range(n):
+        text = f"Question {i} of {dataset}?" + (f" [[fault:{markers[i]}]]" if markers and i in markers else "")
+        out.append({"sample_id": f"{dataset}:{i}", "dataset": dataset, "row_index": i,
+                    "messages": json.dumps([{"role": "user", "content": text}]), "tools": "", "thinking": False,
+                    "prompt_ids": [0, 5, 6], "prompt_assistant_mask": [0, 0, 0]})
+    return out
+
+
+def cfg_(url: str, **over) -> OpenRouterSourceConfig:
+    base = dict(model=MODEL, base_url=url, api_key_required=False, max_attempts=3, backoff_base_s=0.01,
+                backoff_max_s=0.05, request_timeout_s=5.0, tune_gc=False, max_in_flight=4,
+                sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 32, "seed": 0},
+                config_error_wait_s=5.0)
+    base.update(over)
+    return OpenRouterSourceConfig.model_validate(base)
+
+
+def run(gen: OpenRouterGenerator, rows: list[dict]) -> dict[str, dict]:
+    async def go():
+        try:
+            return await gen(rows)
+        finally:
+            await gen.close()
+
+    return {r["sample_id"]: r for r in asyncio.run(go()).to_pylist()}
+
+
+def test_a_config_error_halts_the_source_and_quarantines_nothing_then_the_fixed_config_passes(profile):
+    rows = rows_(12)
+    server_cfg = ServerConfig(seed=1, known_models=(MODEL,))
+    with serve_in_thread(server_cfg, CannedBackend(1, profile)) as (url, server):
+        bad = cfg_(url, model="tiny/deepseek-tnyi")  # a typo'd model id: 404 "No endpoints found" on every prompt
+        ledger = Ledger()
+        out = run(OpenRouterGenerator(bad, "deepseek", None, ledger), rows)
+        asked = server.counts.get("status_404", 0)
+        assert Counter(r["status"] for r in out.values()) == {"not_generated": 12}
+        assert {r["failure_class"] for r in out.values()} == {"config"}
+        assert all("config error" in r["error"] and "No endpoints found" in r["error"] for r in out.values())
+        assert ledger.report()["halted"].startswith("config error")
+        assert asked <= bad.config_error_prompts + bad.max_in_flight  # stopped at once, not 12 requests
+        good = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger()), rows)
+    assert Counter(r["status"] for r in good.values()) == {"ok": 12}
+
+
+def test_one_bad_prompt_among_good_ones_is_still_quarantined(profile):
+    """A 400 followed by successes is the prompt's own fault: the streak never reaches the config threshold."""
+    rows = rows_(8, markers={3: "400"})
+    with serve_in_thread(ServerConfig(seed=2), CannedBackend(1, profile)) as (url, _):
+        ledger = Ledger()
+        out = run(OpenRouterGenerator(cfg_(url), "deepseek", None, ledger), rows)
+    assert out["d:3"]["status"] == "quarantined" and out["d:3"]["failure_class"] == "sample"
+    assert Counter(r["status"] for r in out.values()) == {"ok": 7, "quarantined": 1}
+    assert ledger.report()["halted"] is None
+
+
+def test_a_moderation_403_quarantines_that_prompt_and_the_source_goes_on(profile):
+    rows = rows_(6, markers={2: "moderation"})
+    with serve_in_thread(ServerConfig(seed=3), CannedBackend(1, profile)) as (url, _):
+        ledger = Ledger()
+        out = run(OpenRouterGenerator(cfg_(url), "deepseek", None, ledger), rows)
+    assert out["d:2"]["status"] == "quarantined" and "violence" in out["d:2"]["error"]
+    assert Counter(r["status"] for r in out.values()) == {"ok": 5, "quarantined": 1}
+    assert ledger.report()["halted"] is None
+
+
+def test_odd_answer_shapes_are_outcomes(profile):
+    rows = rows_(6, markers={0: "always-choices-object", 1: "always-content-parts", 2: "always-usage-string"})
+    with serve_in_thread(ServerConfig(seed=4), CannedBackend(1, profile)) as (url, server):
+        ledger = Ledger({"d": 10_000})
+        out = run(OpenRouterGenerator(cfg_(url), "deepseek", None, ledger), rows)
+        billed = server.counts["billed_completion_tokens"]
+    assert out["d:0"]["status"] == "quarantined" and "choices" in out["d:0"]["error"]
+    assert out["d:1"]["status"] == "ok" and out["d:1"]["content"] and out["d:1"]["output_ids"]
+    assert out["d:2"]["status"] == "ok" and out["d:2"]["billed_completion_tokens"] == -1
+    spent = ledger.report()["datasets"]["d"]["spent"]
+    assert billed <= spent  # the unknown bill was charged as its whole reservation
+
+
+def test_one_rows_bug_never_takes_its_siblings(profile, monkeypatch):
+    rows = rows_(6)
+    with serve_in_thread(ServerConfig(seed=5), CannedBackend(1, profile)) as (url, _):
+        gen = OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger())
+        real = gen.engine._sample
+
+        def broken(row, *a, **k):
+            if row["sample_id"] == "d:4":
+                raise RuntimeError("a bug in the engine")
+            return real(row, *a, **k)
+
+        monkeypatch.setattr(gen.engine, "_sample", broken)
+        out = run(gen, rows)
+    assert out["d:4"]["status"] == "not_generated" and "internal error" in out["d:4"]["error"]
+    assert Counter(r["status"] for r in out.values()) == {"ok": 5, "not_generated": 1}
+
+
+def test_the_default_key_never_leaves_for_another_host(profile, monkeypatch):
+    """OPENROUTER_API_KEY in the shell and a source pointed at another server: no Authorization header goes
+    there (the server, which wants a key, answers 401: the key was not sent)."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", KEY)
+    monkeypatch.setenv(KEY_ENV, KEY)
+    rows = rows_(3)
+    with serve_in_thread(ServerConfig(seed=6, api_key_env=KEY_ENV), CannedBackend(1, profile)) as (url, server):
+        default = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger()), rows)
+        named = run(OpenRouterGenerator(cfg_(url, api_key_env=KEY_ENV), "deepseek", None, Ledger()), rows)
+        assert server.counts.get("status_401", 0) >= 1
+    assert {r["failure_class"] for r in default.values()} == {"account"}
+    assert {r["status"] for r in named.values()} == {"ok"}  # the variable the source names itself does go
+    assert key_may_go_to("https://openrouter.ai/api/v1/chat/completions")
+    assert key_may_go_to("http://127.0.0.1:9/x") and key_may_go_to("http://localhost:9/x")
+    assert key_may_go_to("http://[::1]:9/x")
+    assert not key_may_go_to("http://10.0.0.5:8000/v1/chat/completions")
+    assert not key_may_go_to("http://gateway.internal/v1") and not key_may_go_to("ftp://x/y")
+
+
+def test_a_journal_that_cannot_be_written_stops_the_source(profile, tmp_path, monkeypatch):
+    rows = rows_(10)
+    with serve_in_thread(ServerConfig(seed=7), CannedBackend(1, profile)) as (url, server):
+        ledger = Ledger()
+        gen = OpenRouterGenerator(cfg_(url, max_in_flight=1), "deepseek", None, ledger, output_dir=str(tmp_path))
+
+        def full(record):
+            raise JournalError("journal x: [Errno 28] No space left on device")
+
+        monkeypatch.setattr(gen.engine.journal, "append", full)
+        out = run(gen, rows)
+        sent = server.counts["requests"]
+    assert ledger.report()["halted"] and "journal" in ledger.report()["halted"]
+    assert sent <= 2  # the first paid answer that could not be journaled stopped the sending
+    assert out["d:0"]["status"] == "ok"  # what was paid is still a sample
+    left = [r for r in out.values() if r["status"] == "not_generated"]
+    assert len(left) >= 8 and all("journal" in r["error"] for r in left)
+
+
+def test_budget_held_by_a_dead_holder_never_parks_a_prompt_forever(profile):
+    rows = rows_(4)
+    with serve_in_thread(ServerConfig(seed=8), CannedBackend(1, profile)) as (url, server):
+        cfg = cfg_(url, budget_wait_max_s=0.5, budget_poll_s=0.05)
+        ledger = Ledger({"d": 100}, lease_s=3600)
+        ledger.apply([("reserve", "d", 90, 0.0)], "dead-actor")  # reserved, then its actor was SIGKILLed
+        held = run(OpenRouterGenerator(cfg, "deepseek", None, ledger), rows)
+        assert server.counts.get("requests", 0) == 0
+        assert {r["failure_class"] for r in held.values()} == {"budget"}
+        assert all("held by requests in flight" in r["error"] for r in held.values())
+
+        lapsing = Ledger({"d": 100}, lease_s=0.2)
+        lapsing.apply([("reserve", "d", 90, 0.0)], "dead-actor")
+        out = run(OpenRouterGenerator(cfg_(url, budget_poll_s=0.05), "deepseek", None, lapsing), rows)
+    # the dead holder's lease lapsed: its 90 tokens count as spent (in doubt), the rest cannot fit a request
+    assert {r["failure_class"] for r in out.values()} == {"budget"}
+    assert all("is spent" in r["error"] for r in out.values())
+    assert lapsing.report()["datasets"]["d"]["in_doubt"] == 90
+
+
+def test_a_new_actor_replays_what_another_actor_of_the_folder_was_billed_for(profile, tmp_path):
+    """Actor A is paid for 8 answers and dies before its batch is written; actor B, started afterwards on the
+    same folder (or alive all along: it re-reads the journals before each batch), asks for none of them."""
+    rows = rows_(12)
+    with serve_in_thread(ServerConfig(seed=9), CannedBackend(1, profile)) as (url, server):
+        cfg = cfg_(url)
+        b_alive = OpenRouterGenerator(cfg, "deepseek", None, Ledger(), output_dir=str(tmp_path))
+        first = run(OpenRouterGenerator(cfg, "deepseek", None, Ledger(), output_dir=str(tmp_path)), rows[:8])
+        assert server.counts["requests"] == 8
+        again = run(OpenRouterGenerator(cfg, "deepseek", None, Ledger(), output_dir=str(tmp_path)), rows)
+        assert server.counts["requests"] == 12  # only the 4 never asked
+        alive = run(b_alive, rows[:8])
+        assert server.counts["requests"] == 12
+    for sid, r in first.items():
+        assert again[sid]["generation_id"] == r["generation_id"] == alive[sid]["generation_id"]
+        assert again[sid]["output_ids"] == r["output_ids"]
