@@ -64,8 +64,9 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     except NoPlacement as e:  # nothing was started: every prompt is still to do
         print(f"! {e}", flush=True)
-        print(f"{getattr(e, 'left', 'all')} prompts left to do (exit {EXIT_LEFT_TO_DO}); resume with: {resume}",
-              flush=True)
+        left = getattr(e, "left", 0)
+        what = f"{left} prompts" if left else "extraction and training"
+        print(f"{what} left to do (exit {EXIT_LEFT_TO_DO}); resume with: {resume}", flush=True)
         return EXIT_LEFT_TO_DO
     except tuple(refusals) as e:
         word = next(w for cls, w in refusals.items() if isinstance(e, cls))

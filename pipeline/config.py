@@ -570,6 +570,14 @@ class RunConfig(Strict):
         ds_names = [d.name for d in self.datasets]
         if dup := _duplicates(ds_names):
             raise ValueError(f"dataset names must be unique: {dup} appear more than once")
+        spenders = [s for s in self.sources if isinstance(s, OpenRouterSourceConfig)]
+        by_identity: dict[str, list[str]] = {}
+        for s in spenders:
+            by_identity.setdefault(s.identity(), []).append(s.name)
+        if shared := [v for v in by_identity.values() if len(v) > 1]:
+            raise ValueError(f"API sources {shared[0]} have the same model and base_url, so they would share one "
+                             "budget account: give each its own budget_scope (budgets follow model, base_url and "
+                             "budget_scope, not the name)")
         for d in self.datasets:
             for s in d.sources or []:
                 if s not in names:

@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -69,16 +69,20 @@ class Account:
     restored_usd: float = 0.0
     unpriced: int = 0  # settles without usage.cost (their dollar reservation stays spent)
     probes: dict[str, float] = field(default_factory=dict)  # holder -> dollars reserved while the price is unknown
+    probes_in_doubt: dict[str, float] = field(default_factory=dict)  # the same, of holders whose lease lapsed
+
+
+Booked = Counter  # (tokens, dollars) of one reservation -> how many such are booked
 
 
 @dataclass
 class Lease:
-    """One holder's reservations per dataset, each ``[tokens, dollars, count]``: open ones, and those in doubt
-    (open when the lease lapsed: counted as spent until their settle comes, if ever)."""
+    """One holder's reservations per dataset: the open ones, and those in doubt (open when the lease lapsed:
+    counted as spent until their settle comes, if ever). Kept by amount, so a settle finds its own."""
 
     last_seen: float
-    open: dict[str, list[float]] = field(default_factory=dict)
-    doubt: dict[str, list[float]] = field(default_factory=dict)
+    open: dict[str, Booked] = field(default_factory=dict)
+    doubt: dict[str, Booked] = field(default_factory=dict)
 
 
 class BudgetLedger:
@@ -124,48 +128,54 @@ class BudgetLedger:
         now = self.clock() if now is None else now
         gone = []
         for holder, lease in self.leases.items():
-            if not lease.open or now - lease.last_seen < self.lease_s:
+            if not any(lease.open.values()) or now - lease.last_seen < self.lease_s:
                 continue
             gone.append(holder)
-            for dataset, (tokens, usd, n) in lease.open.items():
-                if n <= 0:
+            for dataset, booked in lease.open.items():
+                if not booked:
                     continue
                 acc = self.account(dataset)
-                acc.reserved -= int(tokens)
+                if holder in acc.probes:  # a dead holder's probe no longer keeps the next one waiting
+                    acc.probes_in_doubt[holder] = acc.probes_in_doubt.get(holder, 0.0) + acc.probes.pop(holder)
+                tokens = sum(t * n for (t, _), n in booked.items())
+                usd = sum(u * n for (_, u), n in booked.items())
+                acc.reserved -= tokens
                 acc.reserved_usd = max(0.0, acc.reserved_usd - usd)
-                acc.spent += int(tokens)
+                acc.spent += tokens
                 acc.spent_usd += usd
-                acc.in_doubt += int(tokens)
+                acc.in_doubt += tokens
                 acc.in_doubt_usd += usd
-                d = lease.doubt.setdefault(dataset, [0, 0.0, 0])
-                d[0], d[1], d[2] = d[0] + tokens, d[1] + usd, d[2] + n
+                lease.doubt.setdefault(dataset, Counter()).update(booked)
                 log.warning("holder %s silent for %.0fs: %d request(s) of dataset %r (%d tokens, $%.4f) now in doubt, "
-                            "counted as spent", holder, now - lease.last_seen, int(n), dataset, int(tokens), usd)
+                            "counted as spent", holder, now - lease.last_seen, sum(booked.values()), dataset, tokens,
+                            usd)
             lease.open = {}
         return gone
 
     def _book(self, holder: str, dataset: str, tokens: int, usd: float) -> None:
         if holder:
-            rec = self.leases.setdefault(holder, Lease(self.clock())).open.setdefault(dataset, [0, 0.0, 0])
-            rec[0], rec[1], rec[2] = rec[0] + tokens, rec[1] + usd, rec[2] + 1
+            self.leases.setdefault(holder, Lease(self.clock())).open.setdefault(dataset, Counter())[(tokens, usd)] += 1
 
     def _unbook(self, acc: Account, holder: str, dataset: str, tokens: int, usd: float) -> None:
         """Take a settled or released reservation off the books: off its lease's in-doubt spend when its holder
         was taken as dead meanwhile (the bill then replaces the doubt), else off the open reservations."""
         lease = self.leases.get(holder) if holder else None
+        key = (tokens, usd)
         doubt = lease.doubt.get(dataset) if lease else None
-        if doubt and doubt[2] > 0:
-            take_usd = min(usd, max(0.0, doubt[1]))
-            doubt[0], doubt[1], doubt[2] = doubt[0] - tokens, doubt[1] - take_usd, doubt[2] - 1
+        opened = lease.open.get(dataset) if lease else None
+        if doubt and doubt.get(key) and not (opened and opened.get(key)):
+            doubt[key] -= 1
+            if not doubt[key]:
+                del doubt[key]
             acc.spent -= tokens
-            acc.spent_usd -= take_usd
+            acc.spent_usd -= usd
             acc.in_doubt -= tokens
-            acc.in_doubt_usd -= take_usd
+            acc.in_doubt_usd -= usd
             return
-        if lease is not None:
-            rec = lease.open.get(dataset)
-            if rec and rec[2] > 0:
-                rec[0], rec[1], rec[2] = rec[0] - tokens, rec[1] - usd, rec[2] - 1
+        if opened and opened.get(key):
+            opened[key] -= 1
+            if not opened[key]:
+                del opened[key]
         self._unreserve(acc, dataset, tokens, usd)
 
     # -- the protocol -----------------------------------------------------------
@@ -202,8 +212,8 @@ class BudgetLedger:
             fits_now &= acc.spent + acc.reserved + tokens <= acc.budget
             fits_ever &= acc.spent + tokens <= acc.budget
         if acc.budget_usd is not None:
-            if math.isnan(usd):  # price unknown: one request at a time while any budget is left
-                fits_now &= acc.reserved_usd == 0 and not acc.probes and acc.spent_usd < acc.budget_usd
+            if math.isnan(usd):  # price unknown: one probe at a time, holding all the budget not yet held
+                fits_now &= not acc.probes and acc.spent_usd + acc.reserved_usd < acc.budget_usd
                 fits_ever &= acc.spent_usd < acc.budget_usd
             else:
                 fits_now &= acc.spent_usd + acc.reserved_usd + usd <= acc.budget_usd
@@ -275,8 +285,9 @@ class BudgetLedger:
         """What a probe (reserved at an unknown price) holds; other reservations say their amount themselves."""
         if not math.isnan(reserved_usd):
             return reserved_usd
-        held = acc.probes.pop(holder, 0.0)
-        return held
+        if holder in acc.probes:
+            return acc.probes.pop(holder)
+        return acc.probes_in_doubt.pop(holder, 0.0)
 
     def _check(self, acc: Account, dataset: str) -> None:
         msgs = []
@@ -409,6 +420,7 @@ class Ledger:
                  spent_usd: Mapping[str, float] | None = None, journal: str | None = None,
                  lease_s: float = LEASE_S, lock: tuple[str, str] | None = None) -> None:
         self.lock = lock  # (path, token) of the run's lock: a ledger whose run lost it grants nothing more
+        self.lock_lost: str | None = None
         self._lock_checked = 0.0
         self.budget = BudgetLedger(budgets, default_budget=default_budget, budgets_usd=budgets_usd,
                                    default_budget_usd=default_budget_usd, strict=strict, lease_s=lease_s)
@@ -436,7 +448,7 @@ class Ledger:
         """
         from pipeline.layout import atomic_write_json
 
-        if not self.journal or (self.halted or "").startswith(LOCK_LOST):
+        if not self.journal or self.lock_lost:
             return  # a run that lost its folder writes nothing there: the new holder's ledger owns the journal
         accounts = self.budget.accounts.items()
         tokens = {name: a.spent + a.reserved for name, a in accounts}
@@ -449,28 +461,45 @@ class Ledger:
     def apply(self, ops: Iterable[Op], holder: str = "") -> tuple[list[Any], tuple[str, ...], str | None]:
         """Run one holder's ops in order (an empty batch renews its lease); returns their results, the providers
         excluded so far and why the source halted."""
+        ops = list(ops)
+        for op in ops:
+            if op[0] not in ("reserve", "settle", "release", "halt"):
+                raise ValueError(f"unknown ledger op {op[0]!r}")
         results: list[Any] = []
         self.budget.touch(holder)
         self._check_lock()
         for op in ops:
-            kind = op[0]
-            if kind == "reserve":
-                results.append(self.reserve(*op[1:], holder=holder))
-            elif kind == "settle":
-                results.append(self.settle(*op[1:], holder=holder))
-            elif kind == "release":
-                results.append(self.release(*op[1:], holder=holder))
-            elif kind == "halt":
-                results.append(self.halt(op[1]))
-            else:
-                raise ValueError(f"unknown ledger op {kind!r}")
-        self._write_journal()
+            results.append(self._apply_one(op, holder))
+        try:
+            self._write_journal()
+        except OSError as e:  # the grants of this batch must not go out unjournaled: a kill would forget them
+            self.halt(f"the budget journal cannot be written: {e}")
+            results = ["halted" if r == "granted" else r for r in results]
         return results, self.health.excluded, self.halted
+
+    def _apply_one(self, op: Op, holder: str) -> Any:
+        """One op; an error in the accounting halts the source (spending on books that do not add up is
+        worse than stopping) and never fails the other ops of the batch, which are other requests' settles."""
+        kind = op[0]
+        try:
+            if kind == "reserve":
+                return self.reserve(*op[1:], holder=holder)
+            if kind == "settle":
+                return self.settle(*op[1:], holder=holder)
+            if kind == "release":
+                return self.release(*op[1:], holder=holder)
+            return self.halt(op[1])
+        except BudgetExceeded:
+            raise  # a strict ledger (tests): the violation is the point
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.exception("ledger op %s failed", kind)
+            self.halt(f"ledger error on {kind}: {type(e).__name__}: {e}")
+            return "halted" if kind == "reserve" else None
 
     def _check_lock(self, every_s: float = 1.0) -> None:
         """At most once a second, whether the run still holds its folder's lock: the driver may be frozen (its
         heartbeat thread with it) while this actor goes on granting requests to the source's actors."""
-        if self.lock is None or self.halted:
+        if self.lock is None or self.lock_lost:
             return
         now = time.monotonic()
         if now - self._lock_checked < every_s:
@@ -481,7 +510,8 @@ class Ledger:
         try:
             check_token(*self.lock)
         except LockLost as e:
-            self.halt(f"{LOCK_LOST}: {e}")
+            self.lock_lost = f"{LOCK_LOST}: {e}"
+            self.halt(self.lock_lost)
         except OSError as e:  # a filesystem hiccup: the next check decides
             log.warning("ledger: cannot read the run lock: %s", e)
 

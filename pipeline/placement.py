@@ -49,8 +49,8 @@ def engine_demand(stage: str, cfg: Any) -> Demand:
     return Demand(stage, need)
 
 
-def run_demands(cfg: Any) -> list[Demand]:
-    """One demand per actor pool the run starts: each source, and the extraction when training is on."""
+def source_demands(cfg: Any) -> list[Demand]:
+    """One demand per source's actor pool (what generation starts)."""
     out = []
     for src in cfg.sources:
         if getattr(src, "kind", "") == "openrouter":
@@ -58,9 +58,12 @@ def run_demands(cfg: Any) -> list[Demand]:
             out.append(Demand(f"source {src.name!r}", need))
         else:
             out.append(engine_demand(f"source {src.name!r}", src))
-    if getattr(cfg, "training", None) is not None:
-        out.append(engine_demand("extraction", cfg.extraction))
     return out
+
+
+def extraction_demands(cfg: Any) -> list[Demand]:
+    """The extraction actor, checked when extraction starts: its GPU nodes may join only after generation."""
+    return [engine_demand("extraction", cfg.extraction)] if getattr(cfg, "training", None) is not None else []
 
 
 def fits(demand: Demand, node: Mapping[str, float]) -> bool:

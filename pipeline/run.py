@@ -126,6 +126,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
                        for name, ledger in ledgers.items()}
     report["sources"] = source_report(cfg.sources, tally)
     ensure_held()
+    check_placement(cfg, 0)  # the extraction's nodes (an autoscaler may add them only now)
     report["training"] = extract_and_train(cfg, layout, timings, console)
     timings.add("total", t_all)
     report["seconds"] = timings.seconds
@@ -177,14 +178,14 @@ def init_ray(cfg: RunConfig) -> None:
 
 
 def check_placement(cfg: RunConfig, to_do: int) -> None:
-    """Every actor pool fits some node (waiting ``ray.placement_timeout_s`` for one to join), else stop now:
-    ``NoPlacement`` (exit 3, the prompts left to do) instead of Ray Data's half-hour no-progress wait."""
-    from pipeline.placement import NoPlacement, run_demands, wait_for_placement
+    """The sources' actor pools (with prompts ``to_do``), else the extraction's, fit some node (waiting
+    ``ray.placement_timeout_s`` for one to join), else stop now: ``NoPlacement`` (exit 3, the prompts or the
+    training left to do) instead of Ray Data's half-hour no-progress wait."""
+    from pipeline.placement import NoPlacement, extraction_demands, source_demands, wait_for_placement
 
-    if not to_do:
-        return
+    demands = source_demands(cfg) if to_do else extraction_demands(cfg)
     try:
-        wait_for_placement(run_demands(cfg), cfg.ray.placement_timeout_s)
+        wait_for_placement(demands, cfg.ray.placement_timeout_s)
     except NoPlacement as e:
         e.left = to_do  # type: ignore[attr-defined]
         raise
@@ -287,55 +288,71 @@ def max_prompt_tokens(cfg: RunConfig) -> dict[str, int]:
 
 
 def create_ledgers(cfg: RunConfig, layout: RunLayout) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:
-    """One budget ledger per spending source, restored from what earlier attempts already spent; and per
-    source, the budget still held by requests that were in flight when an earlier attempt was killed.
-
-    Restored spend is the largest of what written samples were billed, what the response journal says
-    was billed, and what the ledger's journal had committed (spent + in flight) when the last attempt
-    stopped: a request in flight at a kill may have been billed, so it stays spent. Spend follows the
-    source's identity (model, endpoint, budget scope): what it spent under an earlier name counts too.
-    """
-    from pipeline.ledger import ledger_for, read_journal_both
-    from pipeline.sources.http_journal import cost_by_dataset
+    """One budget ledger per spending source, restored from what earlier attempts already spent (see
+    ``restored_spend``); and per source, the budget still held by requests that were in flight when an earlier
+    attempt was killed."""
+    from pipeline.ledger import ledger_for
 
     ledgers, held = {}, {}
-    names = source_identities(cfg, layout)
+    lock = current_lock()
     for src in spending_sources(cfg.sources):
-        same = [n for n, ident in names.items() if ident == names[src.name]]
-        billed, usd, committed, committed_usd = Counter(), Counter(), Counter(), Counter()
-        for name in same:
-            _max_into(billed, spent_by_dataset(layout, name))
-            _max_into(usd, cost_by_dataset(layout.responses, name))
-            tokens_c, usd_c = read_journal_both(str(layout.ledger(name)))
-            _max_into(committed, tokens_c)
-            _max_into(committed_usd, usd_c)
-        held[src.name] = {d: c - billed.get(d, 0) for d, c in committed.items() if c > billed.get(d, 0)}
-        _max_into(billed, committed)
-        _max_into(usd, committed_usd)
-        lock = current_lock()
-        ledgers[src.name] = ledger_for(src, spent=dict(billed), spent_usd=dict(usd),
-                                       journal=str(layout.ledger(src.name)),
+        spent, spent_usd, held[src.name] = restored_spend(cfg, layout, src)
+        ledgers[src.name] = ledger_for(src, spent=spent, spent_usd=spent_usd, journal=str(layout.ledger(src.name)),
                                        lock=(str(lock.path), lock.token) if lock is not None else None)
     return ledgers, held
 
 
-def source_identities(cfg: RunConfig, layout: RunLayout) -> dict[str, str]:
-    """name -> identity of every spending source this folder has known (``sources.json``), this run's added."""
+def restored_spend(cfg: RunConfig, layout: RunLayout, src: Any) -> tuple[dict[str, int], dict[str, float],
+                                                                          dict[str, int]]:
+    """(tokens spent, dollars spent, tokens held by requests in flight at a kill) per dataset of one source.
+
+    The largest of what written samples were billed, what the response journal says was billed, and what the
+    ledger's journal had committed (spent + in flight) when the last attempt stopped: a request in flight at a
+    kill may have been billed, so it stays spent. Spend follows the source's identity (model, endpoint, budget
+    scope): what it spent under an earlier name counts too.
+    """
+    from pipeline.ledger import read_journal_both
+    from pipeline.sources.http_journal import cost_by_dataset
+
+    identity = src.identity()
+    names = [n for n, ids in source_identities(cfg, layout).items() if identity in ids]
+    billed, usd, committed, committed_usd = Counter(), Counter(), Counter(), Counter()
+    for name in names:
+        _max_into(billed, spent_by_dataset(layout, name))
+        _max_into(usd, cost_by_dataset(layout.responses, name))
+        tokens_c, usd_c = read_journal_both(str(layout.ledger(name)))
+        _max_into(committed, tokens_c)
+        _max_into(committed_usd, usd_c)
+    held = {d: c - billed.get(d, 0) for d, c in committed.items() if c > billed.get(d, 0)}
+    _max_into(billed, committed)
+    _max_into(usd, committed_usd)
+    return dict(billed), dict(usd), held
+
+
+def source_identities(cfg: RunConfig, layout: RunLayout) -> dict[str, list[str]]:
+    """name -> every identity a spending source of that name has had in this folder (``sources.json``), this
+    run's added: spend restores from every name that ever had the source's identity."""
     path = layout.root / "sources.json"
-    known: dict[str, str] = {}
+    known: dict[str, list[str]] = {}
     if path.exists():
         try:
             data = json.loads(path.read_text())
-            known = {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+            known = {str(k): [str(x) for x in (v if isinstance(v, list) else [v])] for k, v in data.items()}
         except (OSError, ValueError):
             from pipeline.config import ConfigError
 
-            raise ConfigError(f"{path} is not readable JSON: move it aside to start the source identities afresh "
-                              "(spend is still restored from the journals by name)") from None
-    now = {src.name: src.identity() for src in spending_sources(cfg.sources)}
-    if {**known, **now} != known:
-        atomic_write_json(path, {**known, **now})
-    return {**known, **now}
+            raise ConfigError(f"{path} is not readable JSON: restore it, or move it aside (spend is then restored "
+                              "by source name only)") from None
+    merged = {k: list(v) for k, v in known.items()}
+    for src in spending_sources(cfg.sources):
+        ids = merged.setdefault(src.name, [])
+        if src.identity() not in ids:
+            ids.append(src.identity())
+    if merged != known:
+        atomic_write_json(path, merged)
+    return merged
 
 
 def _max_into(acc: Counter, values: dict[str, Any]) -> None:

@@ -45,6 +45,10 @@ class Circuit:
             return "go"
         return "wait"
 
+    def unsent(self) -> None:
+        """The request ``admit`` let go never went out (its budget was held): a probe is still owed."""
+        self.probing = False
+
     def wait_s(self, now: float) -> float:
         """How long until asking again is worth it (at most a second, so a give-up is noticed on time)."""
         return max(0.05, min(1.0, self.open_until - now)) if self.is_open else 0.0

@@ -151,6 +151,7 @@ class HttpEngine:
         self.opts = request_options(cfg, sampling or SamplingConfig())
         self.source_name = source_name or cfg.name
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
+        self.identity = cfg.identity()
         if api_key.get() and not key_may_go_to(self.url):
             raise ValueError(f"source {self.source_name!r}: refusing to send an API key to {cfg.base_url} "
                              "(plain http off loopback)")
@@ -168,10 +169,11 @@ class HttpEngine:
         # sample id -> a response journaled (paid) by this run's other actors or an earlier run
         self.replay = replay_source(replay)
         self._journal_failed: str | None = None
-        self._usd_per_token = 0.0  # the dearest price per token seen (prompt + completion), for dollar asks
         self._streak_sig: str | None = None  # the 4xx answer the prompts in _streak got
         self._streak: dict[str, asyncio.Future] = {}
         self._config_failure: Failure | None = None
+        self._config_reason = ""
+        self._usd_bounds = [0.0, 0.0]  # the dearest price seen per prompt token and per completion token
         self._answered = False  # the API answered something other than a transient failure (it is up)
         self.circuit = Circuit(cfg.circuit_failures, cfg.circuit_cooldown_s, cfg.circuit_max_cooldown_s,
                                cfg.circuit_give_up_s)
@@ -208,7 +210,8 @@ class HttpEngine:
         """One output row per input row, in input order. A row whose handling raised (a bug: the API's faults
         are outcomes) is left to do with the error; it never fails or orphans the other rows of the batch."""
         await self._ensure_session()
-        self.replay.refresh()  # responses other actors journaled since (a batch retried after its actor died)
+        # responses other actors journaled since (a batch retried after its actor died); off the event loop
+        await asyncio.to_thread(self.replay.refresh)
         results = await asyncio.gather(*(self.generate(r) for r in rows), return_exceptions=True)
         out = []
         for row, res in zip(rows, results, strict=True):
@@ -237,9 +240,10 @@ class HttpEngine:
         attempts = 0
         wait_s = self.cfg.budget_poll_s
         waited = 0.0
-        usd = self._usd_ask(row)
         while attempts < self.cfg.max_attempts:
-            if self.ledger.halted:
+            if self._journal_failed is not None and not self.ledger.halted:
+                await self.ledger.halt(self._journal_failed)
+            if self.ledger.halted or self._config_reason:
                 return self._halted_row(row, attempts)
             if dataset in self._exhausted:
                 return self._not_generated(row, attempts, self._budget_spent(dataset), "budget")
@@ -250,11 +254,18 @@ class HttpEngine:
                 await asyncio.sleep(self.circuit.wait_s(time.monotonic()))
                 continue
             attempt: _Attempt | None = None
+            usd = self._usd_ask(row)  # asked anew each time: the price may have been learnt meanwhile
             async with self._slots:
+                if self._journal_failed is not None:  # checked again here: rows queue for a slot meanwhile
+                    await self.ledger.halt(self._journal_failed)
                 decision = await self.ledger.reserve(dataset, self.opts.max_tokens, usd)
                 if decision == "granted":
                     attempts += 1
                     attempt = await self._attempt(session, messages, tools, thinking, row, digest, attempts, usd)
+                    if self._journal_failed is not None:
+                        await self.ledger.halt(self._journal_failed)
+            if attempt is None:
+                self.circuit.unsent()  # a probe the circuit admitted that never went out: the next one may
             if decision == "halted":
                 continue  # the loop top returns it not generated, with the ledger's reason
             if decision == "exhausted":
@@ -269,8 +280,6 @@ class HttpEngine:
                 waited += pause
                 wait_s = min(wait_s * 2, 2.0)
                 continue
-            if self._journal_failed is not None:
-                await self.ledger.halt(self._journal_failed)
             if attempt.reply is not None:
                 self.circuit.record(True, time.monotonic())
                 self._answered = True
@@ -315,21 +324,23 @@ class HttpEngine:
 
         The same answer on ``config_error_prompts`` distinct prompts in a row is the config's; any other
         answer in between (a success, another error) shows the API takes this config, so the prompts waiting
-        were at fault themselves."""
-        if self._config_failure is not None and signature == self._streak_sig:
-            return "config"
+        were at fault themselves. Once the config is known to be wrong, any other 4xx stays undecided."""
+        if self._config_failure is not None:
+            return "config" if signature == self._config_failure.signature else "unsure"
         if signature != self._streak_sig:
             self._end_streak("prompt")
             self._streak_sig = signature
         fut = asyncio.get_running_loop().create_future()
         self._streak[sample_id] = fut
         if len(self._streak) >= self.cfg.config_error_prompts:
+            # decided here, before any await: an answer landing meanwhile must not turn them into "prompt"
             self._config_failure = failure
-            reason = self.redact(f"{CONFIG_ERROR}: {failure.describe()} (the same answer on {len(self._streak)} "
-                                 "prompts in a row; fix the source's model, provider or extra_body and re-run)")
-            await self.ledger.halt(reason)
-            log.error("source %r stops sending: %s", self.source_name, reason)
+            self._config_reason = self.redact(
+                f"{CONFIG_ERROR}: {failure.describe()} (the same answer on {len(self._streak)} prompts in a row; "
+                "fix the source's model, provider or extra_body and re-run)")
             self._end_streak("config")
+            log.error("source %r stops sending: %s", self.source_name, self._config_reason)
+            await self.ledger.halt(self._config_reason)
             return "config"
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout=self.cfg.config_error_wait_s)
@@ -343,24 +354,26 @@ class HttpEngine:
             if not fut.done():
                 fut.set_result(verdict)
         self._streak = {}
-        if verdict == "prompt" and self._config_failure is None:
+        if self._config_failure is None:
             self._streak_sig = None
 
     def _halted_row(self, row: dict[str, Any], attempts: int) -> dict[str, Any]:
-        reason = self.ledger.halted or (self._config_failure.describe() if self._config_failure else "halted")
+        reason = self._config_reason or self.ledger.halted or "halted"
         cls = "config" if reason.startswith(CONFIG_ERROR) else "account"
         return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {reason}", cls)
 
     # -- dollars ------------------------------------------------------------------
     def _usd_ask(self, row: dict[str, Any]) -> float:
-        """The most this prompt's request can cost: from configured prices, else the dearest price per token
-        seen so far (with a margin); NaN when neither is known (the ledger then sends one at a time)."""
+        """The most this prompt's request can cost: from configured prices, else from upper bounds of each
+        token price seen so far (a reply's cost over its prompt tokens bounds the prompt price, over its
+        completion tokens the completion price); NaN when unknown (the ledger then sends one probe at a time)."""
         n_prompt = self._prompt_tokens(row)
         prices = getattr(self.cfg, "prices", None)
         if prices is not None:
             return (n_prompt * prices.prompt_usd_per_mtok + self.opts.max_tokens * prices.completion_usd_per_mtok) / 1e6
-        if self._usd_per_token > 0:
-            return 1.5 * self._usd_per_token * (n_prompt + self.opts.max_tokens)
+        p, c = self._usd_bounds
+        if p > 0 and c > 0:
+            return n_prompt * p + self.opts.max_tokens * c
         return math.nan
 
     @staticmethod
@@ -371,9 +384,13 @@ class HttpEngine:
         text = row.get("messages")
         return (len(text) if isinstance(text, str) else len(json.dumps(text or ""))) // 2 + 16
 
-    def _learn_price(self, row: dict[str, Any], billed: int, cost: float | None) -> None:
-        if cost is not None and cost > 0 and billed >= 0:
-            self._usd_per_token = max(self._usd_per_token, cost / max(1, self._prompt_tokens(row) + billed))
+    def _learn_price(self, reply: Reply, cost: float | None) -> None:
+        if cost is None or cost <= 0:
+            return
+        if reply.prompt_tokens > 0:
+            self._usd_bounds[0] = max(self._usd_bounds[0], cost / reply.prompt_tokens)
+        if reply.billed > 0:
+            self._usd_bounds[1] = max(self._usd_bounds[1], cost / reply.billed)
 
     async def _attempt(self, session: aiohttp.ClientSession, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None, thinking: bool, row: dict[str, Any], digest: str,
@@ -404,10 +421,10 @@ class HttpEngine:
         seconds = time.perf_counter() - t0
         if isinstance(result, Failure):
             outcome: Outcome = "error" if result.against_provider else "neutral"
-            if result.billed > 0 or result.maybe_billed:
+            if result.billed > 0 or result.maybe_billed or result.cost > 0:
                 # The budget caps what the provider bills: an unknown bill counts as the whole reservation.
                 charge = max(result.billed, reserved if result.maybe_billed else 0)
-                cost = result.cost if result.billed > 0 and not result.maybe_billed and result.cost else None
+                cost = result.cost if not result.maybe_billed and result.cost else None
                 await self.ledger.settle(dataset, reserved, charge, cost, result.provider, outcome, None, usd)
                 self._journal(row, digest, "billed_failure", attempts, billed=result.billed, charged=charge,
                               cost=result.cost, provider=result.provider)
@@ -427,7 +444,7 @@ class HttpEngine:
                       provider=reply.provider, reply=reply, seconds=seconds)
         attempt, outcome, drift = self._rebuild(reply, thinking, seconds)
         cost = reply.cost if getattr(reply, "cost_known", True) else None
-        self._learn_price(row, billed, cost)
+        self._learn_price(reply, cost)
         await self.ledger.settle(dataset, reserved, charge, cost, reply.provider, outcome, drift, usd)
         return attempt
 
@@ -449,7 +466,9 @@ class HttpEngine:
     def _replay(self, row: dict[str, Any], digest: str, thinking: bool) -> dict[str, Any] | None:
         """The sample of a response an earlier, killed attempt paid for, when the request would be the same."""
         rec = self.replay.pop(str(row["sample_id"]), None)
-        if rec is None or rec.request_digest != digest or rec.source != self.source_name:
+        same_source = rec is not None and (rec.source == self.source_name
+                                           or bool(rec.identity) and rec.identity == self.identity)
+        if rec is None or rec.request_digest != digest or not same_source:
             return None
         completion = Completion(rec.reasoning, rec.content, rec.tool_calls, rec.finish_reason or "stop",
                                 rec.billed_completion_tokens if rec.billed_completion_tokens >= 0 else None)
@@ -469,7 +488,7 @@ class HttpEngine:
         rec = Record(sample_id=str(row["sample_id"]), dataset=str(row["dataset"]), source=self.source_name,
                      model=self.cfg.model, sampling=self.sampling_json, request_digest=digest, kind=kind,
                      provider=provider, billed_completion_tokens=billed, charged_tokens=charged, cost=cost,
-                     t_generate_s=seconds, attempts=attempts, error=error)
+                     t_generate_s=seconds, attempts=attempts, error=error, identity=self.identity)
         if reply is not None:
             c = reply.completion
             rec.reasoning, rec.content, rec.tool_calls = c.reasoning, c.content, c.tool_calls

@@ -98,6 +98,7 @@ class Record:
     t_generate_s: float = 0.0
     attempts: int = 0
     error: str = ""  # gave_up: the last failure (secrets redacted)
+    identity: str = ""  # the source's identity (model, endpoint, budget scope): what a renamed source replays
     at: float = field(default_factory=time.time)  # when it was journaled (orders records across files)
     v: int = SCHEMA_VERSION
 

@@ -68,20 +68,31 @@ class ReplayIndex:
             n += self._scan(path, done, size)
         return n
 
-    def _scan(self, path: Path, start: int, size: int) -> int:
-        """Index whole lines in [start, size); a line still being written is left for the next refresh."""
+    def _scan(self, path: Path, start: int, size: int, chunk: int = 8 << 20) -> int:
+        """Index whole lines in [start, size), ``chunk`` bytes at a time (a journal of long reasoning answers
+        can be GBs); a line still being written is left for the next refresh."""
+        n, pos, carry = 0, start, b""
         try:
             with open(path, "rb") as f:
                 f.seek(start)
-                data = f.read(size - start)
+                while pos + len(carry) < size:
+                    data = carry + f.read(min(chunk, size - pos - len(carry)))
+                    if len(data) == len(carry):
+                        break  # the file shrank (it never should): index what was read
+                    cut = data.rfind(b"\n") + 1
+                    n += self._index_lines(path, pos, data[:cut])
+                    pos += cut
+                    carry = data[cut:]
         except OSError as e:
             log.warning("replay index: cannot read %s: %s", path, e)
-            return 0
-        cut = data.rfind(b"\n") + 1  # only complete lines
-        n, pos = 0, 0
-        while pos < cut:
-            nl = data.index(b"\n", pos)
-            line = data[pos:nl]
+        self._scanned[path] = pos
+        return n
+
+    def _index_lines(self, path: Path, offset: int, data: bytes) -> int:
+        n, at = 0, 0
+        while at < len(data):
+            nl = data.index(b"\n", at)
+            line = data[at:nl]
             if line.strip():
                 try:
                     rec = Record.from_json(line)
@@ -90,10 +101,9 @@ class ReplayIndex:
                 if rec is not None and self._wanted(rec):
                     seen = self._where.get(rec.sample_id)
                     if seen is None or rec.at >= seen.at:
-                        self._where[rec.sample_id] = _Where(path, start + pos, start + nl, rec.at)
+                        self._where[rec.sample_id] = _Where(path, offset + at, offset + nl, rec.at)
                     n += 1
-            pos = nl + 1
-        self._scanned[path] = start + cut
+            at = nl + 1
         return n
 
     def _wanted(self, rec: Record) -> bool:

@@ -112,6 +112,7 @@ class Reply:
     cost: float
     native_finish_reason: str | None
     cost_known: bool = True  # usage.cost was a number: the dollar budget settles with it, else keeps the reservation
+    prompt_tokens: int = -1  # usage.prompt_tokens (-1: not sent); bounds the price of a prompt token
 
 
 FailureClass = Literal["transient", "sample", "account"]
@@ -159,6 +160,8 @@ class Failure:
             return None
         if _PROMPT_OWN.search(self.message):
             return None  # a prompt too long for the model is that prompt's own fault, however many there are
+        if _GENERIC.fullmatch(self.message.strip()):
+            return None  # "Provider returned error" with no detail says nothing about what is wrong
         return f"{s} {_normalise(self.message)}"
 
     @property
@@ -176,6 +179,9 @@ class Failure:
 
 _PROMPT_OWN = re.compile(r"(?i)context[ _-]?(length|window)|too (long|many tokens)|maximum (context|prompt)|"
                          r"prompt is too|input is too|reduce the length")
+
+
+_GENERIC = re.compile(r"(?i)(provider returned error|bad request|error|unknown error|no detail)\.?")
 
 
 class _BadShape(ValueError):
@@ -220,7 +226,7 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
         flagged = _moderation(err) if code == 403 else None
         if flagged:
             return fail(flagged, False, code, who, "sample")
-        return fail(_text(err.get("message") or err), _in_band_retryable(code), code, who)
+        return fail(_with_raw(_text(err.get("message") or err), err), _in_band_retryable(code), code, who)
     choices = payload.get("choices")
     if choices is None or choices == []:
         return fail("response has no choices", True)
@@ -257,8 +263,9 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
     completion = _shared_completion(clean, finish or "stop", usage)
     usage = payload.get("usage")
     cost_known = isinstance(usage, dict) and _money_or_none(usage.get("cost")) is not None
+    prompt_tokens = _count(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
     return Reply(completion, _name(payload.get("id")), provider, _name(payload.get("model")), billed, cost, native,
-                 cost_known)
+                 cost_known, -1 if prompt_tokens is None else prompt_tokens)
 
 
 def _http_failure(status: int, payload: Any, raw: bytes | str, retry_after: float | None) -> Failure:
@@ -268,17 +275,20 @@ def _http_failure(status: int, payload: Any, raw: bytes | str, retry_after: floa
         flagged = _moderation(err) if status == 403 else None
         if flagged:
             return Failure("http", _clip(flagged), False, status, retry_after, provider, klass="sample")
-        message = _text(err.get("message") or "")
-        meta = err.get("metadata")
-        meta_raw = meta.get("raw") if isinstance(meta, dict) else None
-        if meta_raw:
-            message = f"{message} ({_text(meta_raw)})"
+        message = _with_raw(_text(err.get("message") or ""), err)
     else:
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
         message, provider = text.strip() or "no body", ""
     retryable = status in RETRYABLE_STATUS or (status >= 500 and status not in FATAL_STATUS)
     return Failure("http", _clip(message), retryable, status, retry_after, provider,
                    maybe_billed=status in PROXY_TIMEOUT_STATUS)
+
+
+def _with_raw(message: str, err: Mapping[str, Any]) -> str:
+    """The message with the upstream provider's own words (``metadata.raw``) when there are some."""
+    meta = err.get("metadata")
+    meta_raw = meta.get("raw") if isinstance(meta, dict) else None
+    return f"{message} ({_text(meta_raw)})" if meta_raw else message
 
 
 def _in_band_retryable(code: int | None) -> bool:

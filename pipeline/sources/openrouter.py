@@ -115,7 +115,7 @@ class OpenRouterGenerator:
         if output_dir:
             path = journal_path(output_dir, name, holder.rsplit(":", 1)[1])
             # What any actor of this folder was billed for, the dead predecessor's included, before sending.
-            index = ReplayIndex(path.parent, name, exclude=path)
+            index = ReplayIndex(path.parent, name, exclude=path, identity=self.cfg.identity())
             journal = ResponseJournal(path, flush_every_s=self.cfg.journal_flush_s)
         ledger = ledger_client(ledger_handle, holder, self.cfg.lease_s)
         self.engine = HttpEngine(self.cfg, self.profile, ledger, read_api_key(self.cfg),

@@ -82,3 +82,12 @@ def test_ledger_halt_refuses_every_later_reservation():
     led.apply([("settle", "d", 10, 4, 0.0, "p", "ok", 0)])
     rep = led.report()["datasets"]["d"]
     assert (rep["sent"], rep["settled"], rep["released"], rep["reserved"]) == (1, 1, 0, 0)
+
+
+def test_a_probe_that_never_went_out_leaves_the_next_one_free():
+    c = Circuit(threshold=2, cooldown_s=1, max_cooldown_s=4, give_up_s=100)
+    c.record(False, 0, "502")
+    c.record(False, 0, "502")
+    assert c.admit(1.5) == "go" and c.admit(1.6) == "wait"  # the probe is out
+    c.unsent()  # its budget was held: nothing was sent
+    assert c.admit(1.7) == "go"

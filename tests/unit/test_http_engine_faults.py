@@ -200,3 +200,35 @@ def test_a_new_actor_replays_what_another_actor_of_the_folder_was_billed_for(pro
     for sid, r in first.items():
         assert again[sid]["generation_id"] == r["generation_id"] == alive[sid]["generation_id"]
         assert again[sid]["output_ids"] == r["output_ids"]
+
+
+def test_a_failure_billed_in_dollars_only_is_settled_not_released(profile, monkeypatch):
+    from pipeline.sources import http_engine
+    from pipeline.sources.http_wire import Failure
+
+    def billed_error(status, raw, retry_after):  # finish_reason "error", 0 completion tokens, usage.cost 0.004
+        return Failure("in_band", "finish_reason error: upstream", True, 200, None, "P", 0, 0.004)
+
+    monkeypatch.setattr(http_engine, "_interpret", billed_error)
+    with serve_in_thread(ServerConfig(seed=10), CannedBackend(1, profile)) as (url, _):
+        ledger = Ledger(budgets_usd={"d": 1.0})
+        cfg = cfg_(url, max_attempts=2, prices={"prompt_usd_per_mtok": 1.0, "completion_usd_per_mtok": 1.0})
+        out = run(OpenRouterGenerator(cfg, "deepseek", None, ledger), rows_(3))
+    assert {r["status"] for r in out.values()} == {"not_generated"}
+    d = ledger.report()["datasets"]["d"]
+    assert d["spent_usd"] == pytest.approx(3 * 2 * 0.004) and d["released"] == 0
+
+
+def test_a_dollar_cap_without_prices_learns_them_and_holds(profile):
+    """No prices configured: the first request is a probe holding the rest of the budget; from its bill the
+    engine bounds each token price and asks with them. The provider's own bill stays under the cap."""
+    cap = 0.2  # a request costs ~$0.007; the learnt bounds ask ~$0.06: a few fit, not all 20
+    with serve_in_thread(ServerConfig(seed=11, prompt_price_per_token=1e-3, price_per_token=1e-4),
+                         CannedBackend(1, profile)) as (url, server):
+        ledger = Ledger(budgets_usd={"d": cap})
+        out = run(OpenRouterGenerator(cfg_(url), "deepseek", None, ledger), rows_(20))
+        billed_usd = server.counts.get("billed_cost_nano_usd", 0) / 1e9
+    passed = sum(r["status"] == "ok" for r in out.values())
+    assert 1 < passed < 20 and {r["failure_class"] for r in out.values() if r["status"] != "ok"} == {"budget"}
+    d = ledger.report()["datasets"]["d"]
+    assert billed_usd <= d["spent_usd"] + 1e-9 <= cap + 1e-9 and not ledger.report()["violations"]

@@ -289,3 +289,71 @@ def test_journal_v2_restores_dollars_too(tmp_path):
     second = Ledger(budgets_usd={"d": 1.0}, journal=journal)
     assert second.apply([("reserve", "d", 1, 0.61)], "B")[0] == ["exhausted"]
     assert second.apply([("reserve", "d", 1, 0.6)], "B")[0] == ["granted"]
+
+
+def test_a_dead_probes_holder_does_not_keep_the_next_probe_waiting():
+    clock = Clock()
+    b = BudgetLedger(budgets_usd={"d": 1.0}, lease_s=60, clock=clock)
+    nan = float("nan")
+    assert b.reserve("d", 10, nan, holder="A") == "granted"  # a probe: holds the whole dollar budget
+    assert b.reserve("d", 10, nan, holder="B") == "wait"
+    clock.t += 61
+    # A died: its probe is in doubt (the whole budget counted as spent), so nothing more can ever fit
+    assert b.reserve("d", 10, nan, holder="B") == "exhausted"
+    b.settle("d", 10, 10, 0.1, reserved_usd=nan, holder="A")  # A was only frozen: its bill replaces the doubt
+    acc = b.account("d")
+    assert acc.spent_usd == pytest.approx(0.1) and acc.in_doubt_usd == pytest.approx(0.0) and not b.violations
+    assert b.reserve("d", 10, nan, holder="B") == "granted"
+
+
+def test_a_holder_back_from_a_lapse_settles_old_and_new_reservations_by_their_own_amounts():
+    clock = Clock()
+    b = BudgetLedger({"d": 1000}, budgets_usd={"d": 10.0}, lease_s=60, clock=clock, strict=True)
+    b.reserve("d", 50, 2.0, holder="A")
+    clock.t += 61
+    b.expire()
+    b.reserve("d", 50, 0.5, holder="A")  # back from a freeze: a new reservation of another amount
+    b.settle("d", 50, 40, 0.3, reserved_usd=0.5, holder="A")  # the new one settles first
+    b.settle("d", 50, 45, 1.5, reserved_usd=2.0, holder="A")  # then the one that was in doubt
+    acc = b.account("d")
+    assert (acc.reserved, acc.in_doubt, acc.spent) == (0, 0, 85)
+    assert acc.reserved_usd == pytest.approx(0) and acc.in_doubt_usd == pytest.approx(0)
+    assert acc.spent_usd == pytest.approx(1.8) and not b.violations
+
+
+def test_a_probe_takes_what_priced_requests_leave():
+    """Actor A has learnt the price and keeps priced requests in flight; actor B's first (unpriced) request still
+    goes out, holding the rest of the budget, instead of waiting for A to fall idle."""
+    b = BudgetLedger(budgets_usd={"d": 1.0})
+    assert b.reserve("d", 10, 0.3, holder="A") == "granted"
+    assert b.reserve("d", 10, float("nan"), holder="B") == "granted"
+    assert b.account("d").reserved_usd == pytest.approx(1.0)
+    assert b.reserve("d", 10, 0.3, holder="A") == "wait"
+
+
+def test_a_ledger_whose_run_lost_its_lock_grants_nothing_and_leaves_the_journal_alone(tmp_path):
+    from pipeline.run_lock import RunLock
+
+    journal = str(tmp_path / "ledger-api.json")
+    lock = RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0).acquire()
+    try:
+        led = Ledger({"d": 100}, journal=journal, lock=(str(lock.path), lock.token))
+        assert led.apply([("reserve", "d", 10, 0.0)], "A")[0] == ["granted"]
+        led.halt("out of credits (402)")  # an earlier halt must not hide a later loss of the lock
+        theirs = RunLock.for_folder(tmp_path / "x")  # stands in for the run that took the folder over
+        lock.path.write_text(lock.path.read_text().replace(lock.token, theirs.token))
+        before = (tmp_path / "ledger-api.json").read_bytes()
+        led._lock_checked = 0.0
+        led.apply([("settle", "d", 10, 10, 0.0, "p", "ok", 0, 0.0)], "A")
+        assert led.lock_lost and "run lock lost" in led.lock_lost
+        assert (tmp_path / "ledger-api.json").read_bytes() == before  # the new holder's ledger owns it now
+    finally:
+        lock.release()
+
+
+def test_one_ops_accounting_error_halts_without_failing_its_batch():
+    led = Ledger({"d": 100})
+    res, _, halted = led.apply([("reserve", "d", 10, 0.0), ("release", "d", 99, "p", "ok", 0.0),
+                                ("settle", "d", 10, 5, 0.0, "p", "ok", 0, 0.0)], "A")
+    assert res == ["granted", None, None] and halted and "ledger error on release" in halted
+    assert led.report()["datasets"]["d"]["spent"] == 5  # the good settle after the bad op still counted

@@ -1,0 +1,60 @@
+"""Budgets follow the source's identity (model, endpoint, budget scope), not its name: renaming a source
+between attempts keeps what it spent; changing budget_scope is the explicit reset."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.config import RunConfig
+from pipeline.layout import RunLayout
+from pipeline.run import restored_spend
+
+
+def cfg_(tmp_path, name: str = "api", **src) -> RunConfig:
+    source = {"kind": "openrouter", "name": name, "model": "tiny", "base_url": "http://127.0.0.1:9/api/v1",
+              "api_key_required": False, "budgets": {"d": 1000}, **src}
+    return RunConfig(output_dir=str(tmp_path), model={"profile": "deepseek"},
+                     datasets=[{"name": "d", "path": "d.jsonl"}], sources=[source])
+
+
+def test_a_renamed_source_keeps_its_spend_and_a_new_scope_starts_afresh(tmp_path):
+    layout = RunLayout(tmp_path)
+    first = cfg_(tmp_path)
+    assert restored_spend(first, layout, first.sources[0]) == ({}, {}, {})
+    layout.ledger("api").write_text(json.dumps({"#format": 2, "tokens": {"d": 300}, "usd": {"d": 0.5}}))
+    assert restored_spend(first, layout, first.sources[0])[:2] == ({"d": 300}, {"d": 0.5})
+
+    renamed = cfg_(tmp_path, name="api-v2")  # same model and endpoint: the same account
+    spent, usd, held = restored_spend(renamed, layout, renamed.sources[0])
+    assert (spent, usd) == ({"d": 300}, {"d": 0.5}) and held == {"d": 300}
+    assert json.loads((tmp_path / "sources.json").read_text()) == {
+        "api": [first.sources[0].identity()], "api-v2": [first.sources[0].identity()]}
+
+    reset = cfg_(tmp_path, name="api-v3", budget_scope="2026-12 top-up")  # the explicit reset
+    assert restored_spend(reset, layout, reset.sources[0]) == ({}, {}, {})
+    other = cfg_(tmp_path, name="api-v4", model="another-model")
+    assert restored_spend(other, layout, other.sources[0]) == ({}, {}, {})
+
+
+def test_a_name_that_moved_to_another_model_keeps_its_old_spend_with_the_old_identity(tmp_path):
+    layout = RunLayout(tmp_path)
+    x = cfg_(tmp_path, name="a", model="model-x")
+    restored_spend(x, layout, x.sources[0])
+    layout.ledger("a").write_text(json.dumps({"d": 400}))
+    moved = cfg_(tmp_path, name="a", model="model-y")  # "a" now asks model Y ...
+    restored_spend(moved, layout, moved.sources[0])
+    newcomer = cfg_(tmp_path, name="b", model="model-x")  # ... and a new "b" asks model X: X's spend follows it
+    assert restored_spend(newcomer, layout, newcomer.sources[0])[0] == {"d": 400}
+
+
+def test_two_api_sources_with_one_identity_are_refused():
+    import pytest
+    from pydantic import ValidationError
+
+    src = {"kind": "openrouter", "model": "m", "base_url": "http://127.0.0.1:9/v1", "api_key_required": False,
+           "budgets": {"d": 10}}
+    with pytest.raises(ValidationError, match="budget_scope"):
+        RunConfig(output_dir="o", model={"profile": "deepseek"}, datasets=[{"name": "d", "path": "d.jsonl"}],
+                  sources=[{**src, "name": "a"}, {**src, "name": "b"}])
+    RunConfig(output_dir="o", model={"profile": "deepseek"}, datasets=[{"name": "d", "path": "d.jsonl"}],
+              sources=[{**src, "name": "a"}, {**src, "name": "b", "budget_scope": "second"}])
