@@ -365,7 +365,7 @@ def test_kills_of_driver_and_actor_at_random_points_never_pay_twice(tmp_path, re
     port = free_port()
     log = tmp_path / "bills.jsonl"
     cfg = write_config(tmp_path, repo_root, tiny_target, port, lease_s=3.0)
-    server = Server(tmp_path, port, "--delay-ms", "300", "--bill-log", str(log), "--api-key-env",
+    server = Server(tmp_path, port, "--delay-ms", "1500", "--bill-log", str(log), "--api-key-env",
                     "FAULT_MATRIX_KEY", env=env)
     rng = random.Random(23)
     try:
@@ -373,12 +373,19 @@ def test_kills_of_driver_and_actor_at_random_points_never_pay_twice(tmp_path, re
             driver = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=env,
                                       start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             start = server.counts().get("requests", 0)
-            wait_until(lambda start=start: server.counts().get("requests", 0) > start, 300, "a request", driver)
+
+            def asked(start: int = start, driver: subprocess.Popen = driver) -> bool:
+                return server.counts().get("requests", 0) > start or driver.poll() is not None
+
+            def restarted(driver: subprocess.Popen = driver) -> bool:
+                return bool(http_actor_pids(ray_head.dashboard)) or driver.poll() is not None
+
+            wait_until(asked, 300, "a request")
             if attempt == 0:  # the actor first (Ray restarts it and re-runs its batch), then the driver
                 time.sleep(rng.uniform(0.3, 1.5))
                 for pid in http_actor_pids(ray_head.dashboard):
                     os.kill(pid, signal.SIGKILL)
-                wait_until(lambda: http_actor_pids(ray_head.dashboard), 120, "the restarted HTTP actor", driver)
+                wait_until(restarted, 120, "the restarted HTTP actor")  # (or the run finished first)
             time.sleep(rng.uniform(0.5, 2.0))
             if driver.poll() is None:
                 os.killpg(driver.pid, signal.SIGKILL)

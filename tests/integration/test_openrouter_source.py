@@ -59,7 +59,10 @@ def source_cfg(url: str, **over) -> OpenRouterSourceConfig:
 
 def fault_server_cfg(**over) -> ServerConfig:
     cfg = ServerConfig(api_key_env=KEY_ENV, padding=8, seed=7, retry_after_s=0.05, timeout_s=1.5,
-                       providers=("Alpha", "Beta", "Gamma", "Delta"), rates={k: 0.04 for k in RANDOM_FAULTS},
+                       providers=("Alpha", "Beta", "Gamma", "Delta"),
+                       # every random fault but an odd-shaped answer, which is quarantined (its own test); ~40% of
+                       # requests fail in all, so an honest provider stays under the exclusion policy's 50%
+                       rates={k: 0.4 / (len(RANDOM_FAULTS) - 1) for k in RANDOM_FAULTS if k != "choices-object"},
                        miscount_providers=("Beta",), corrupt_providers=("Gamma",), flaky_providers={"Delta": 0.7})
     for k, v in over.items():
         setattr(cfg, k, v)
@@ -131,7 +134,9 @@ def test_every_fault_ends_in_its_class(profile, caplog):
     for r in out:
         if r["status"] == "ok":
             assert r["ids_from"] == "rebuilt" and r["source_kind"] == "openrouter" and r["provider"]
-            assert r["output_ids"] and r["billed_completion_tokens"] > 0 and r["t_generate_s"] > 0
+            # -1: usage.completion_tokens came as a string (usage-string), an unknown bill
+            assert r["output_ids"] and (r["billed_completion_tokens"] > 0 or r["billed_completion_tokens"] == -1)
+            assert r["t_generate_s"] > 0
             assert json.loads(r["sampling"]) == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 64, "seed": 0}
             if r["content"] not in ("", None) and r["provider"] == "Alpha":
                 assert r["output_ids"][-1] == profile.eot_id and profile.think_end_id in r["output_ids"]
@@ -152,7 +157,7 @@ def test_every_fault_ends_in_its_class(profile, caplog):
     assert "drift" not in rep["providers"]["Alpha"] and rep["providers"]["Beta"]["mean_abs_billing_drift"] > 8
     billed_ok = Counter()
     for s in samples:
-        billed_ok[s["provider"]] += s["billed_completion_tokens"]
+        billed_ok[s["provider"]] += max(s["billed_completion_tokens"], 0)
     for p, n in billed_ok.items():
         assert rep["providers"][p]["completion_tokens"] >= n
     # maybe-billed failures charge reservations no provider reported: the ledger's spend is at least the providers'
@@ -395,10 +400,12 @@ def test_a_prompt_that_keeps_failing_is_quarantined_after_transient_runs_runs(pr
     with serve_in_thread(ServerConfig(seed=6), CannedBackend(2, profile)) as (url, _server):
         cfg = source_cfg(url, api_key_required=False, max_attempts=2, transient_runs=2, budgets={"d": "unlimited"})
         for attempt in range(2):
-            # the other prompts of a resumed run are new ones (the ones answered before were written, so skipped)
-            batch = [rows[2], *prompt_rows(7, f"other{attempt}")]
             gen = OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg), output_dir=str(tmp_path))
-            out = {r["sample_id"]: r for r in run_local(gen, batch)}
+            # the API answers other prompts in this run (new ones: those answered before were written, so
+            # skipped), then d:2 fails on every attempt
+            others = run_local(gen, prompt_rows(7, f"other{attempt}"))
+            assert {r["status"] for r in others} == {"ok"}
+            out = {r["sample_id"]: r for r in run_local(gen, [rows[2]])}
             assert out["d:2"]["status"] == "not_generated" and out["d:2"]["failure_class"] == "transient"
     run_cfg = RunConfig(output_dir=str(tmp_path), model={"profile": "deepseek"},
                         datasets=[{"name": "d", "path": "d.jsonl"}], sources=[cfg])
