@@ -154,7 +154,12 @@ def describe_source(src: Any) -> str:
         bits.append(f"{span} actor{'s' if span != '1' else ''}")
     budgets = getattr(src, "budgets", None) or {}
     if budgets:
-        bits.append("budgets " + ", ".join(f"{d} {quantity(b)}" for d, b in budgets.items()))
+        bits.append("budgets " + ", ".join(f"{d} {'unlimited' if b is None else quantity(b)}"
+                                           for d, b in budgets.items()))
+    usd = getattr(src, "budgets_usd", None) or {}
+    if usd:
+        bits.append("budgets_usd " + ", ".join(f"{d} {'unlimited' if b is None else f'${b:,.2f}'}"
+                                               for d, b in usd.items()))
     return f"{src.name} ({', '.join(bits)})"
 
 

@@ -38,7 +38,6 @@ this module only sequences them.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import math
@@ -50,7 +49,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from pipeline.config import OpenRouterSourceConfig, SamplingConfig
+from pipeline.config import OpenRouterSourceConfig, SamplingConfig, is_loopback_host
 from pipeline.ledger import Outcome
 from pipeline.profiles.base import Completion, Profile
 from pipeline.reconstruct import rebuild_ids
@@ -88,14 +87,7 @@ def key_may_go_to(url: str) -> bool:
         return False
     if parts.scheme == "https":
         return bool(host)
-    if parts.scheme != "http":
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return parts.scheme == "http" and is_loopback_host(host)
 
 
 class Secret:

@@ -15,7 +15,9 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -265,15 +267,18 @@ def http_actor_pids(dashboard: str) -> list[int]:
             if FLIGHT in (a.class_name or "") and a.pid]
 
 
-def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: subprocess.Popen | None = None,
+             poll: float = 0.3) -> Any:
+    """Poll until ``predicate()`` is truthy (and return it); fail early when the driver ``proc`` exits."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the run exited {proc.returncode} while waiting for {what}")
-        time.sleep(0.1)
+            raise AssertionError(f"the run exited {proc.returncode} while waiting for {what}: "
+                                 f"{proc.stdout.read()[-3000:] if proc.stdout else ''}")
+        time.sleep(poll)
     raise TimeoutError(f"no {what} within {timeout}s")
 
 
@@ -343,8 +348,8 @@ def test_sigkill_of_the_http_actor_under_a_binding_budget_ends_by_itself(tmp_pat
     try:
         driver = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        wait_until(lambda: server.counts().get("served", 0) >= 2, 300, "2 served requests", driver)
-        pids = wait_until(lambda: http_actor_pids(ray_head.dashboard), 60, "the HTTP actor", driver)
+        wait_for(lambda: server.counts().get("served", 0) >= 2, 300, "2 served requests", driver)
+        pids = wait_for(lambda: http_actor_pids(ray_head.dashboard), 60, "the HTTP actor", driver)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)  # an OOM kill: no clean-up, its reservations never settled
         text, _ = driver.communicate(timeout=300)  # before leases: waits forever on the dead actor's reservations
@@ -380,12 +385,12 @@ def test_kills_of_driver_and_actor_at_random_points_never_pay_twice(tmp_path, re
             def restarted(driver: subprocess.Popen = driver) -> bool:
                 return bool(http_actor_pids(ray_head.dashboard)) or driver.poll() is not None
 
-            wait_until(asked, 300, "a request")
+            wait_for(asked, 300, "a request")
             if attempt == 0:  # the actor first (Ray restarts it and re-runs its batch), then the driver
                 time.sleep(rng.uniform(0.3, 1.5))
                 for pid in http_actor_pids(ray_head.dashboard):
                     os.kill(pid, signal.SIGKILL)
-                wait_until(restarted, 120, "the restarted HTTP actor")  # (or the run finished first)
+                wait_for(restarted, 120, "the restarted HTTP actor")  # (or the run finished first)
             time.sleep(rng.uniform(0.5, 2.0))
             if driver.poll() is None:
                 os.killpg(driver.pid, signal.SIGKILL)
@@ -453,7 +458,7 @@ def test_a_frozen_driver_loses_its_lock_stops_spending_and_the_new_holder_finish
     try:
         a = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=lock_env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        wait_until(lambda: server.counts().get("served", 0) >= 2, 300, "2 served requests", a)
+        wait_for(lambda: server.counts().get("served", 0) >= 2, 300, "2 served requests", a)
         os.kill(a.pid, signal.SIGSTOP)
         try:
             time.sleep(4.0)  # past the staleness: A's heartbeat is frozen with it

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from tests.integration.test_api_failures import (
     check_accounting,
     free_port,
     run,
+    wait_for,
     write_config,
 )
 
@@ -61,21 +61,6 @@ def start_run(cfg: Path, env: dict[str, str]) -> subprocess.Popen:
     """`python -m pipeline run` in the background (the test acts on the cluster meanwhile)."""
     return subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: subprocess.Popen | None = None,
-             poll: float = 0.3) -> Any:
-    """Poll until ``predicate()`` is truthy (and return it); fail early when the driver ``proc`` exits."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the run exited {proc.returncode} while waiting for {what}: "
-                                 f"{proc.stdout.read()[-3000:] if proc.stdout else ''}")
-        time.sleep(poll)
-    raise TimeoutError(f"no {what} within {timeout}s")
 
 
 def alive_on(nodes: Nodes, before: set[str], repr_part: str) -> dict[str, str]:
