@@ -630,10 +630,9 @@ def ledger_for(cfg: Any, *, spent: Mapping[str, int] | None = None, spent_usd: M
                lock: tuple[str, str] | None = None) -> Any:
     """The shared ledger actor for a spending source's config (its budgets, dollar budgets, ``health``, lease)."""
     return create_ledger(cfg.budgets, name=name, default_budget=cfg.default_budget,
-                         budgets_usd=getattr(cfg, "budgets_usd", None),
-                         default_budget_usd=getattr(cfg, "default_budget_usd", None), health=cfg.health,
+                         budgets_usd=cfg.budgets_usd, default_budget_usd=cfg.default_budget_usd, health=cfg.health,
                          strict=strict, spent=spent, spent_usd=spent_usd, journal=journal,
-                         lease_s=getattr(cfg, "lease_s", LEASE_S), lock=lock)
+                         lease_s=cfg.lease_s, lock=lock)
 
 
 def halt(ledger: Any, reason: str) -> None:

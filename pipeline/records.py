@@ -136,18 +136,20 @@ def read_samples(folder: Path, columns: list[str]) -> tuple[list[dict[str, Any]]
     return rows, dropped
 
 
-def extra_copies(folder: Path) -> dict[str, str]:
-    """sample_id -> the file whose copy is kept, for ids written more than once (first file in name order);
-    empty for a folder without duplicates. One columnar read of ``sample_id``."""
+def extra_copies(folder: Path) -> tuple[dict[str, str], int]:
+    """(sample_id -> the file whose copy is kept, for ids written in more than one file: the first in name
+    order; how many copies are left out). Empty for a folder without duplicates. One read of ``sample_id``."""
     first: dict[str, str] = {}
     dup: dict[str, str] = {}
+    dropped = 0
     for f in sorted(Path(folder).glob("*.parquet")):
-        for sid in pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist():
+        for sid in set(pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()):
             if sid in first:
                 dup[sid] = first[sid]
+                dropped += 1
             else:
                 first[sid] = f.name
-    return dup
+    return dup, dropped
 
 
 def read_samples_dataset(folder: Path, columns: list[str]) -> tuple[Any, int]:
@@ -155,15 +157,10 @@ def read_samples_dataset(folder: Path, columns: list[str]) -> tuple[Any, int]:
     duplicate rows were left out: training and extraction see each sample once, whatever was written."""
     import ray.data
 
-    dup = extra_copies(folder)
-    if not dup:
+    keep, dropped = extra_copies(folder)
+    if not keep:
         return ray.data.read_parquet(str(folder), columns=columns), 0
-    dropped = 0
-    for f in sorted(Path(folder).glob("*.parquet")):
-        for sid in pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist():
-            dropped += sid in dup and dup[sid] != f.name
-    log.warning("samples/ holds %d extra copies of %d sample ids: each is read once", dropped, len(dup))
-    keep = dict(dup)
+    log.warning("samples/ holds %d extra copies of %d sample ids: each is read once", dropped, len(keep))
     want = list(columns) if "sample_id" in columns else [*columns, "sample_id"]
 
     def first_copy(t: Any) -> Any:

@@ -118,7 +118,6 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     finally:
         unsubscribe()
     timings.add("generate", t0)
-    ensure_held()
 
     report: dict[str, Any] = summarize(tally, counts, layout)
     assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
@@ -295,27 +294,29 @@ def create_ledgers(cfg: RunConfig, layout: RunLayout) -> tuple[dict[str, Any], d
 
     ledgers, held = {}, {}
     lock = current_lock()
+    identities = source_identities(cfg, layout)
     for src in spending_sources(cfg.sources):
-        spent, spent_usd, held[src.name] = restored_spend(cfg, layout, src)
+        spent, spent_usd, held[src.name] = restored_spend(cfg, layout, src, identities)
         ledgers[src.name] = ledger_for(src, spent=spent, spent_usd=spent_usd, journal=str(layout.ledger(src.name)),
                                        lock=(str(lock.path), lock.token) if lock is not None else None)
     return ledgers, held
 
 
-def restored_spend(cfg: RunConfig, layout: RunLayout, src: Any) -> tuple[dict[str, int], dict[str, float],
-                                                                          dict[str, int]]:
+def restored_spend(cfg: RunConfig, layout: RunLayout, src: Any, identities: dict[str, list[str]] | None = None
+                   ) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
     """(tokens spent, dollars spent, tokens held by requests in flight at a kill) per dataset of one source.
 
     The largest of what written samples were billed, what the response journal says was billed, and what the
     ledger's journal had committed (spent + in flight) when the last attempt stopped: a request in flight at a
     kill may have been billed, so it stays spent. Spend follows the source's identity (model, endpoint, budget
-    scope): what it spent under an earlier name counts too.
+    scope): what it spent under an earlier name counts too (``identities``: ``source_identities``, read once).
     """
     from pipeline.ledger import read_journal_both
     from pipeline.sources.http_journal import cost_by_dataset
 
     identity = src.identity()
-    names = [n for n, ids in source_identities(cfg, layout).items() if identity in ids]
+    identities = source_identities(cfg, layout) if identities is None else identities
+    names = [n for n, ids in identities.items() if identity in ids]
     billed, usd, committed, committed_usd = Counter(), Counter(), Counter(), Counter()
     for name in names:
         _max_into(billed, spent_by_dataset(layout, name))

@@ -288,7 +288,7 @@ class HttpEngine:
                 log.error("source %r stops sending: %s", self.source_name, reason)
                 return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {reason}", "account")
             if cls == "sample":
-                signature = getattr(last, "signature", None)
+                signature = last.signature
                 if signature is None:
                     self._end_streak("prompt")  # another answer: 4xx prompts waiting were their own fault
                     return self._quarantined(row, attempts, last)
@@ -360,7 +360,7 @@ class HttpEngine:
         token price seen so far (a reply's cost over its prompt tokens bounds the prompt price, over its
         completion tokens the completion price); NaN when unknown (the ledger then sends one probe at a time)."""
         n_prompt = self._prompt_tokens(row)
-        prices = getattr(self.cfg, "prices", None)
+        prices = self.cfg.prices
         if prices is not None:
             return (n_prompt * prices.prompt_usd_per_mtok + self.opts.max_tokens * prices.completion_usd_per_mtok) / 1e6
         p, c = self._usd_bounds
@@ -435,7 +435,7 @@ class HttpEngine:
         self._journal(row, digest, "response", attempts, billed=billed, charged=charge, cost=reply.cost,
                       provider=reply.provider, reply=reply, seconds=seconds)
         attempt, outcome, drift = self._rebuild(reply, thinking, seconds)
-        cost = reply.cost if getattr(reply, "cost_known", True) else None
+        cost = reply.cost if reply.cost_known else None
         self._learn_price(reply, cost)
         await self.ledger.settle(dataset, reserved, charge, cost, reply.provider, outcome, drift, usd)
         return attempt

@@ -12,7 +12,6 @@ response, so a million-response folder costs an actor tens of MB, not GB.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,9 +110,8 @@ class ReplayIndex:
         responses), else by name."""
         if rec.kind != "response":
             return False
-        rec_identity = getattr(rec, "identity", "") or ""
-        if self.identity and rec_identity:
-            return rec_identity == self.identity
+        if self.identity and rec.identity:
+            return rec.identity == self.identity
         return rec.source == self.source
 
     def get(self, sample_id: str) -> Record | None:
@@ -152,9 +150,3 @@ class DictReplay(dict):
 
 def replay_source(replay: ReplayIndex | Mapping[str, Record] | None) -> ReplayIndex | DictReplay:
     return replay if isinstance(replay, ReplayIndex) else DictReplay(replay or {})
-
-
-def responses_size(folder: str | os.PathLike[str]) -> int:
-    """Bytes of all journals in a responses folder (for a log line: what an actor read at start)."""
-    folder = Path(folder)
-    return sum(p.stat().st_size for p in folder.glob("*.jsonl")) if folder.is_dir() else 0

@@ -40,7 +40,7 @@ def test_readers_keep_one_row_per_sample_id(tmp_path, capsys):
     rows, dropped = read_samples(samples, ["sample_id", "output_ids"])
     assert [r["sample_id"] for r in rows] == ["x", "y", "z"] and dropped == 1
     assert rows[1]["output_ids"] == [3, 5]  # the first file's copy, as every reader keeps
-    assert extra_copies(samples) == {"y": "part-a.parquet"}
+    assert extra_copies(samples) == ({"y": "part-a.parquet"}, 1)
     code = audit_main([str(samples), "--profile", "deepseek"])
     out = capsys.readouterr().out
     assert "3 responses checked" in out and "1 extra copies of sample ids skipped" in out, out
