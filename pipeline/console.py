@@ -142,6 +142,17 @@ def heldout_line(result: Mapping[str, Any], elapsed_s: float) -> str:
             f"{result['samples']} samples never trained on, done in {duration(elapsed_s)}")
 
 
+def served_line(result: Mapping[str, Any], elapsed_s: float) -> str:
+    """The served measure's console line: vLLM's figure, and whether it agrees with the simulated one."""
+    if result.get("acceptance_length") is None:
+        return f"[served] {result.get('skipped') or result.get('error') or 'not measured'}"
+    agree = result.get("agreement")
+    verdict = "" if agree is None else (", agrees with the simulated figure per position" if agree["within"] else
+                                        ", DIFFERS from the simulated figure beyond sampling noise (see report.json)")
+    return (f"[served] acceptance length {result['acceptance_length']:.3f} at k={result['k']} in vLLM on "
+            f"{result['prompts']} held-out prompts{verdict}, done in {duration(elapsed_s)}")
+
+
 def describe_source(src: Any) -> str:
     """``vllm-cpu (vllm, 1 actor)``, ``api (openrouter, model m, budgets chat 20k)`` from a source config."""
     bits = [src.kind]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow.parquet as pq
 
 from pipeline.config import ExtractionConfig, RunConfig
-from pipeline.console import Console, ExtractWatch, TrainWatch, heldout_line
+from pipeline.console import Console, ExtractWatch, TrainWatch, heldout_line, served_line
 from pipeline.layout import RunLayout
 from pipeline.records import read_samples_dataset
 from pipeline.report import Timings
@@ -194,8 +194,28 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
                     held = h.hidden_rows(keep_heldout=True).take_all()
                 result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held, tcfg.eval_k)
             timings.add("heldout_eval", t0)
+            if tcfg.served_eval:
+                result["served"] = served_phase(cfg, layout, console, str(res.export_dir), result["heldout"],
+                                                [str(r["sample_id"]) for r in held], timings)
     result["extraction"] = read_extract_stats(layout.extract_stats) if layout.extract_stats.exists() else {}
     return result
+
+
+def served_phase(cfg: RunConfig, layout: RunLayout, console: Console, export_dir: str, heldout: dict[str, Any],
+                 sample_ids: list[str], timings: Timings) -> dict[str, Any]:
+    """The export served by vLLM on the held-out prompts (pipeline.served_eval), with its console line."""
+    from pipeline.served_eval import measure_served
+
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {}
+
+    def line(final: bool) -> str:
+        return served_line(out, time.perf_counter() - t0) if final else "[served] measuring the export in vLLM"
+
+    with console.phase(line), placement_groups_released():
+        out.update(measure_served(cfg, export_dir, layout.samples, heldout, sample_ids))
+    timings.add("served_eval", t0)
+    return out
 
 
 def training_samples(layout: RunLayout, heldout_fraction: float) -> int:

@@ -204,6 +204,16 @@ def format_report(r: dict[str, Any], out: Path) -> str:
                      f"[{per}]) on {h['samples']} samples never trained on (simulated greedy verification)")
     elif h:
         lines.append(f"  held-out     {h.get('skipped')}")
+    s = t.get("served") or {}
+    if s.get("acceptance_length") is not None:
+        per = " ".join(f"{p:.2f}" for p in s["per_position"])
+        agree = s.get("agreement")
+        verdict = "" if agree is None else ("; agrees with the simulated figure per position" if agree["within"]
+                                            else "; DIFFERS from the simulated figure beyond sampling noise")
+        lines.append(f"  served       acceptance length {s['acceptance_length']:.3f} at k={s['k']} (per position "
+                     f"[{per}]) in vLLM on the same {s['prompts']} prompts, {s['drafts']} drafts{verdict}")
+    elif s:
+        lines.append(f"  served       {s.get('skipped') or s.get('error')}")
     lines += attention_lines(r)
     lines.append("=" * 64)
     return "\n".join(lines)

@@ -394,11 +394,18 @@ def heldout_figure(report: dict[str, Any]) -> str:
         why = h.get("skipped") or training.get("skipped") or "no held-out evaluation in this run"
         return empty_figure("fig-heldout", "Held-out acceptance per draft position", why)
     sub = f"acceptance length {h['acceptance_length']:.3f} at k={h['k']} on {h['samples']} held-out samples"
-    bars = [(f"draft {k + 1}", v) for k, v in enumerate(per)]
+    served = training.get("served") or {}
+    if served.get("per_position"):  # side by side: simulated, then served by vLLM, per position
+        sub += f"; served by vLLM {served['acceptance_length']:.3f}"
+        bars = [b for k, (v, w) in enumerate(zip(per, served["per_position"], strict=False))
+                for b in ((f"{k + 1} sim", v), (f"{k + 1} vLLM", w))]
+        colours, x_label = [PALETTE[2], PALETTE[0]] * len(per), "simulated greedy verification / served by vLLM"
+    else:
+        bars = [(f"draft {k + 1}", v) for k, v in enumerate(per)]
+        colours, x_label = [PALETTE[2]] * len(bars), "simulated greedy verification on samples never trained on"
     return bar_chart("fig-heldout", "Held-out acceptance per draft position", bars, subtitle=sub,
-                     y_label="share of drafts accepted", y_max=1.0,
-                     colours=[PALETTE[2]] * len(bars), value_fmt=lambda v: f"{v:.1%}" if v < 1 else "100%",
-                     x_label="simulated greedy verification on samples never trained on")
+                     y_label="share of drafts accepted", y_max=1.0, colours=colours,
+                     value_fmt=lambda v: f"{v:.1%}" if v < 1 else "100%", x_label=x_label)
 
 
 # ----------------------------------------------------------------------------- tables and page
@@ -438,6 +445,7 @@ def _cards(report: dict[str, Any]) -> str:
         ("samples/s", t.get("samples_per_s")), ("tokens/s", t.get("tokens_per_s")),
         ("drafter steps", m.get("step")),
         ("held-out acceptance length", h.get("acceptance_length")),
+        ("served acceptance length", ((report.get("training") or {}).get("served") or {}).get("acceptance_length")),
         ("seconds", (report.get("seconds") or {}).get("total")),
     ]
     return "<div class=cards>" + "".join(

@@ -6,6 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# vLLM's names (llama_eagle3.py reads them from the drafter's config.json); see training/model.py
+ARCHITECTURE_FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
+LossName = Literal["ce", "tv", "lk_alpha", "lk_lambda"]
+
 
 class DraftTrainConfig(BaseModel):
     """Hyper-parameters and resources of one drafter training run.
@@ -33,6 +37,24 @@ class DraftTrainConfig(BaseModel):
         1.0, gt=0, description="the target distribution is softmax(logits / T): 1 is plain distillation; below 1 "
         "sharpens it toward the target's argmax, which is what greedy verification accepts (helps when the "
         "target's distributions are flat)")
+    loss: LossName = Field(
+        "ce", description="per-step TTT loss against the target's distribution p (draft vocab) of the draft's q: "
+        "`ce` soft cross-entropy (KL distillation); `tv` total variation 1 - sum min(p, q) = 1 - P(accept) under "
+        "speculative sampling; `lk_alpha` -log P(accept) and `lk_lambda` lambda*KL + (1-lambda)*TV with lambda = "
+        "exp(-lk_eta * mean P(accept)), the LK losses of Samarin et al. 2026 (arXiv 2602.23881)")
+    lk_eta: float = Field(3.0, ge=0, description="`lk_lambda`: how fast the KL weight fades as acceptance grows "
+                          "(the paper's best setting is 3; 0 is plain KL)")
+    acceptance_weighting: bool = Field(
+        False, description="also weight each position's loss at TTT step k by the (detached) product of its "
+        "acceptance probabilities at steps < k, the chance the draft chain reaches step k")
+    fc_norm: bool = Field(False, description="EAGLE-3.1: an RMSNorm on each aux hidden state before `fc` (vLLM "
+                          "`fc_norm`, weights `fc_norm.{i}.weight`)")
+    norm_before_fc: bool = Field(False, description="one RMSNorm over the concatenated 3*H fc input (vLLM "
+                                 "`norm_before_fc`, weight `input_norm.weight`; speculators' gpt-oss variant)")
+    norm_output: bool = Field(False, description="EAGLE-3.1: the next draft step consumes the final-norm state "
+                              "instead of the pre-norm one (vLLM `norm_output`)")
+    norm_before_residual: bool = Field(False, description="the midlayer's attention residual is hidden_norm(h) "
+                                       "instead of h (vLLM `norm_before_residual`)")
     draft_vocab_size: int = Field(32000, ge=2, description="clamped to the target vocab size")
     aux_layer_ids: list[int] | None = Field(
         None, description="vLLM convention (input of decoder layer i); None -> [2, L//2, L-3]"
@@ -70,6 +92,15 @@ class DraftTrainConfig(BaseModel):
     )
     heldout_max_samples: int = Field(64, ge=1, description="held-out samples evaluated (the rest stay unused)")
     eval_k: int = Field(3, ge=1, description="draft length of the held-out acceptance measure")
+    served_eval: bool = Field(
+        True, description="after the simulated held-out measure, serve the export with the target in vLLM "
+        "(EAGLE-3 speculative decoding, greedy, up to the end of turn) on the same held-out prompts, on the "
+        "resources of the run's first vllm source, and report the served figure beside the simulated one; "
+        "skipped (with the reason in the report) when the run has no such source or it uses tensor parallelism")
+
+    def architecture(self) -> dict[str, bool]:
+        """The drafter's structure flags, for `training.model.build_drafter(architecture=...)`."""
+        return {flag: getattr(self, flag) for flag in ARCHITECTURE_FLAGS}
 
     @field_validator("aux_layer_ids")
     @classmethod

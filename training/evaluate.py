@@ -88,22 +88,25 @@ def make_engine(target: str, draft: str | None, k: int, max_model_len: int, dtyp
     return LLM(**kwargs)
 
 
-def run_prompts(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
-    """Greedy generation of exactly `max_tokens` tokens per prompt; returns (outputs, seconds)."""
+def run_prompts(llm, prompts: list[list[int]], max_tokens: int, stop_at_eos: bool = False
+                ) -> tuple[list[list[int]], float]:
+    """Greedy generation per prompt; returns (outputs, seconds). Exactly `max_tokens` tokens each (a fixed
+    amount of work, for throughput), or with `stop_at_eos` up to the end of turn, as a served request ends
+    (the acceptance users see: a draft round that straddles the end counts)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-                            detokenize=False)
+    fixed = {} if stop_at_eos else {"min_tokens": max_tokens, "ignore_eos": True}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, **fixed)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
 
 
-def measure(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+def measure(llm, prompts: list[list[int]], max_tokens: int, stop_at_eos: bool = False) -> dict:
     """Generate once on an existing engine and report throughput plus acceptance (if any)."""
     before = spec_counters(llm.get_metrics())
-    outputs, seconds = run_prompts(llm, prompts, max_tokens)
+    outputs, seconds = run_prompts(llm, prompts, max_tokens, stop_at_eos)
     after = spec_counters(llm.get_metrics())
     delta = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     per = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
@@ -120,27 +123,50 @@ def shutdown_engine(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def _child(target, draft, prompts, k, max_tokens, max_model_len, dtype, queue) -> None:
-    llm = make_engine(target, draft, k, max_model_len, dtype)
+def _child(target, draft, prompts, k, max_tokens, max_model_len, dtype, stop_at_eos, queue) -> None:
+    try:
+        llm = make_engine(target, draft, k, max_model_len, dtype)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which would otherwise wait out its timeout
+        queue.put({"error": f"{type(e).__name__}: {e}"})
+        raise
     try:
         run_prompts(llm, prompts[:2], 4)  # warm-up outside the timing and counters
-        queue.put(measure(llm, prompts, max_tokens))
+        queue.put(measure(llm, prompts, max_tokens, stop_at_eos))
     finally:
         shutdown_engine(llm)
 
 
-def measure_in_subprocess(target, draft, prompts, k, max_tokens, max_model_len, dtype) -> dict:
-    """One engine per spawned process, so two engines never share this process."""
+def measure_in_subprocess(target, draft, prompts, k, max_tokens, max_model_len, dtype, stop_at_eos: bool = False
+                          ) -> dict:
+    """One engine per spawned process, so two engines never share this process. Raises RuntimeError when
+    the engine fails or its process dies (the reason in the message), instead of waiting out a timeout."""
+    import queue as queues
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(target, draft, prompts, k, max_tokens, max_model_len, dtype, queue))
+    proc = ctx.Process(target=_child, args=(target, draft, prompts, k, max_tokens, max_model_len, dtype,
+                                            stop_at_eos, queue))
     proc.start()
+    result: dict | None = None
+    deadline = time.monotonic() + 1800
     try:
-        result = queue.get(timeout=1800)
+        while result is None and time.monotonic() < deadline:
+            try:
+                result = queue.get(timeout=2)
+            except queues.Empty:
+                if not proc.is_alive():  # one last look: it may have put its result just before exiting
+                    try:
+                        result = queue.get(timeout=2)
+                    except queues.Empty:
+                        result = {"error": f"the engine process exited with code {proc.exitcode}"}
     finally:
         proc.join(timeout=120)
         if proc.is_alive():
             proc.terminate()
+    if result is None:
+        result = {"error": "no result within 30 minutes"}
+    if "error" in result:
+        raise RuntimeError(f"vLLM could not measure {draft or target}: {result['error']}")
     return result
 
 

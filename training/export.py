@@ -1,7 +1,11 @@
 """Export the drafter as an EAGLE-3 checkpoint folder that vLLM/SGLang load with method `eagle3`.
 
 The drafter's parameter names already are the checkpoint keys, so the weights file is its state
-dict minus the frozen target embeddings (both engines share the target's embeddings).
+dict minus the frozen target embeddings (both engines share the target's embeddings). vLLM's loader
+prefixes "model." to every name but lm_head's, so the EAGLE-3.1 norms `input_norm.weight` and
+`fc_norm.{i}.weight` land on its `model.input_norm` / `model.fc_norm.{i}`. The structure flags that are on
+go to config.json top-level under vLLM's names; an export with all of them off has exactly the plain
+EAGLE-3 keys, so older engines keep loading it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from pipeline.layout import atomic_path, atomic_write_json
-from training.model import Eagle3Drafter
+from training.config import ARCHITECTURE_FLAGS
+from training.model import Eagle3Drafter, architecture_of
 
 if TYPE_CHECKING:
     from training.target import TargetParts
@@ -51,6 +56,7 @@ def export_config(drafter: Eagle3Drafter, target_config: dict, dtype: torch.dtyp
         },
         "aux_hidden_state_convention": AUX_CONVENTION,
     }
+    cfg.update({flag: True for flag, on in architecture_of(c).items() if on})
     for key in _ROPE_KEYS:
         if target_config.get(key) is not None:
             cfg[key] = target_config[key]
@@ -100,6 +106,9 @@ def load_exported(export_dir: str | Path, target_dir: str | Path | TargetParts |
     config.draft_vocab_size = raw["draft_vocab_size"]
     config.target_hidden_size = raw["target_hidden_size"]
     config.eagle_aux_hidden_state_layer_ids = raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    for flag in ARCHITECTURE_FLAGS:  # as vLLM reads them: truthy top-level values, norm_before_fc first in eagle_config
+        nested = raw["eagle_config"] if flag == "norm_before_fc" else {}
+        setattr(config, flag, bool(nested.get(flag, raw.get(flag, False))))
     drafter = Eagle3Drafter(config)
     raw_tensors = load_file(str(export_dir / "model.safetensors"))
     tensors = {k: v.float() if v.is_floating_point() else v for k, v in raw_tensors.items()}

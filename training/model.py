@@ -1,14 +1,22 @@
 """EAGLE-3 draft model whose parameter names are exactly the exported checkpoint keys.
 
-Structure (matches vLLM's `Eagle3LlamaForCausalLM` with default flags):
-  g        = fc(cat(aux_low, aux_mid, aux_high))          # only for target states (step 0)
+Structure (matches vLLM's `Eagle3LlamaForCausalLM`, `llama_eagle3.py`, flag by flag):
+  a        = cat(aux_low, aux_mid, aux_high)                # target states (step 0 only)
+  a        = input_norm(a)                   if norm_before_fc   (one RMSNorm over the 3*H_t input)
+  a        = cat(fc_norm[i](a_i) for i)      if fc_norm          (one RMSNorm per aux chunk)
+  g        = fc(a)
   x        = cat(input_layernorm(embed(tok)), hidden_norm(h))   # width 2H
-  h1       = h + o_proj(attn(x))                           # residual is the un-normed h
-  h2       = h1 + mlp(post_attention_layernorm(h1))        # pre-norm output, fed to the next step
+  r        = hidden_norm(h) if norm_before_residual else h      # the attention residual
+  h1       = r + o_proj(attn(x))
+  h2       = h1 + mlp(post_attention_layernorm(h1))        # pre-norm output, what `step` returns
   logits   = lm_head(norm(h2))                             # over the draft vocab
+  next h   = norm(h2) if norm_output else h2               # `carry`: what the next draft step consumes
+With every flag off (the default) this is plain EAGLE-3; fc_norm + norm_output is "EAGLE-3.1".
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -20,9 +28,15 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from training.config import ARCHITECTURE_FLAGS
 from training.ttt_attention import StepKVCache, cached_step_attention
 
 EMBED_PARAM = "embed_tokens.weight"
+
+
+def architecture_of(config: LlamaConfig) -> dict[str, bool]:
+    """The drafter's EAGLE-3.1 flags (absent = off, as vLLM reads them with getattr)."""
+    return {flag: bool(getattr(config, flag, False)) for flag in ARCHITECTURE_FLAGS}
 
 
 class DraftAttention(nn.Module):
@@ -73,15 +87,18 @@ class DraftDecoderLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(hidden, eps=eps)
         self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
 
     def forward(self, embeds, hidden, cos_sin, mask0, cache) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos_sin, mask0, cache)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos_sin, mask0, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Drafter(nn.Module):
-    """EAGLE-3 drafter. `config` is a LlamaConfig with `draft_vocab_size`, `target_hidden_size`."""
+    """EAGLE-3 drafter. `config` is a LlamaConfig with `draft_vocab_size`, `target_hidden_size` and
+    optionally the `ARCHITECTURE_FLAGS` (vLLM's field names)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -96,6 +113,12 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary = LlamaRotaryEmbedding(config)
+        # created last and without randomness: the seeded init of the plain EAGLE-3 weights is unchanged
+        arch = architecture_of(config)
+        target, eps = config.target_hidden_size, config.rms_norm_eps
+        self.input_norm = LlamaRMSNorm(3 * target, eps=eps) if arch["norm_before_fc"] else None
+        self.fc_norm = nn.ModuleList([LlamaRMSNorm(target, eps=eps) for _ in range(3)]) if arch["fc_norm"] else None
+        self.norm_output = arch["norm_output"]
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -104,6 +127,11 @@ class Eagle3Drafter(nn.Module):
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Fuse the three target states (B, L, 3*H_t) into the draft width (B, L, H)."""
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.fc_norm is not None:
+            chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(aux_hidden)
 
     def step(
@@ -114,7 +142,7 @@ class Eagle3Drafter(nn.Module):
         mask0: torch.Tensor,
         cache: StepKVCache,
     ) -> torch.Tensor:
-        """One draft step: returns the pre-norm hidden state, which the next step consumes."""
+        """One draft step: returns the pre-norm hidden state (`carry` of it feeds the next step)."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos_sin = self.rotary(hidden, position_ids)
         return self.midlayer(embeds, hidden, cos_sin, mask0, cache)
@@ -123,15 +151,21 @@ class Eagle3Drafter(nn.Module):
         """Draft-vocab logits of pre-norm hidden states (any leading shape)."""
         return self.lm_head(self.norm(hidden))
 
+    def carry(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the next draft step consumes of a step's pre-norm output: itself, or with `norm_output`
+        the final-norm state (vLLM's `aux_output`), which keeps its scale from drifting over the steps."""
+        return self.norm(hidden) if self.norm_output else hidden
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen target embeddings: the export tensors."""
         return {k: v for k, v in self.state_dict().items() if k != EMBED_PARAM}
 
 
 def draft_config_from_target(
-    target_config: dict, draft_vocab_size: int, aux_layer_ids: list[int]
+    target_config: dict, draft_vocab_size: int, aux_layer_ids: list[int], architecture: Mapping[str, bool] | None = None
 ) -> LlamaConfig:
-    """A one-layer Llama config shaped like the target (same hidden, heads, rope)."""
+    """A one-layer Llama config shaped like the target (same hidden, heads, rope), with the flags of
+    `architecture` (names from `ARCHITECTURE_FLAGS`) that are on."""
     hidden = int(target_config["hidden_size"])
     heads = int(target_config["num_attention_heads"])
     keep = [
@@ -150,6 +184,11 @@ def draft_config_from_target(
     config.draft_vocab_size = min(int(draft_vocab_size), int(target_config["vocab_size"]))
     config.target_hidden_size = hidden
     config.eagle_aux_hidden_state_layer_ids = list(aux_layer_ids)
+    for flag, on in (architecture or {}).items():
+        if flag not in ARCHITECTURE_FLAGS:
+            raise ValueError(f"unknown drafter architecture flag {flag!r}; known: {ARCHITECTURE_FLAGS}")
+        if on:
+            setattr(config, flag, True)
     return config
 
 
@@ -159,9 +198,10 @@ def build_drafter(
     draft_vocab_size: int,
     aux_layer_ids: list[int],
     seed: int = 0,
+    architecture: Mapping[str, bool] | None = None,
 ) -> Eagle3Drafter:
     """Create a drafter with seeded random weights and the target's frozen embeddings."""
-    config = draft_config_from_target(target_config, draft_vocab_size, aux_layer_ids)
+    config = draft_config_from_target(target_config, draft_vocab_size, aux_layer_ids, architecture)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

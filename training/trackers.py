@@ -117,6 +117,10 @@ def report_scalars(report: dict[str, Any]) -> dict[str, float]:
     put("heldout/samples", held.get("samples"))
     for k, v in enumerate(held.get("per_position") or []):
         put(f"heldout/acceptance/position_{k}", v)
+    served = (report.get("training") or {}).get("served") or {}
+    put("served/acceptance_length", served.get("acceptance_length"))
+    for k, v in enumerate(served.get("per_position") or []):
+        put(f"served/acceptance/position_{k}", v)
     return out
 
 

@@ -76,7 +76,8 @@ def prepare_drafter(cfg: DraftTrainConfig, target: TargetParts, vocab: VocabMapp
     """Seeded drafter with the target's embeddings, the vocab mapping and (optionally) the
     target's final norm and lm_head rows of the draft vocab as the initial head."""
     aux_ids = resolve_aux_layer_ids(cfg, target.num_layers)
-    drafter = build_drafter(target.config, target.embed_tokens, vocab.d2t.numel(), aux_ids, seed=cfg.seed)
+    drafter = build_drafter(target.config, target.embed_tokens, vocab.d2t.numel(), aux_ids, seed=cfg.seed,
+                            architecture=cfg.architecture())
     with torch.no_grad():
         drafter.d2t.copy_(vocab.d2t)
         drafter.t2d.copy_(vocab.t2d)
@@ -226,7 +227,7 @@ def train_loop(
     drafter = prepare_drafter(cfg, target, vocab).to(device)
     lm_head_draft = target.lm_head[vocab.draft_ids].to(device)
     objective: torch.nn.Module = TTTObjective(drafter, lm_head_draft, cfg.ttt_steps, cfg.step_decay,
-                                              cfg.teacher_temperature)
+                                              cfg.teacher_temperature, cfg.loss, cfg.lk_eta, cfg.acceptance_weighting)
     if world_size > 1:
         ids = [device.index] if device.type == "cuda" else None
         objective = torch.nn.parallel.DistributedDataParallel(objective, device_ids=ids)

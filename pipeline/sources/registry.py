@@ -13,6 +13,8 @@ imports SGLang), and the facts the rest of the pipeline asks about it:
 - ``manifest``: the config fields that decide what its samples hold (its own model,
   provider preferences, reasoning, sampling, tools); recorded in the run manifest
   so a resume cannot mix distributions. Transport (URLs, timeouts) stays out.
+- ``serves_drafter``: its engine can run the exported EAGLE-3 drafter through ``training.served`` (vLLM's
+  ``LLM`` API), so a run measures the drafter's served acceptance on that source's resources.
 - ``layout``: how its actors take resources: ``engine`` (CPUs/GPUs per actor; TP > 1
   in a placement group whose bundles the engine fills with Ray tasks),
   ``engine_forks`` (the actor holds all TP GPUs; the engine forks its own workers),
@@ -47,6 +49,7 @@ class SourceKind:
     spends: bool
     layout: Layout
     manifest: tuple[str, ...] = ()
+    serves_drafter: bool = False
 
     def actor_class(self) -> type:
         module, name = self.actor.split(":")
@@ -55,7 +58,7 @@ class SourceKind:
 
 SOURCES: dict[str, SourceKind] = {
     "vllm": SourceKind(VLLMSourceConfig, "pipeline.sources.vllm_source:VLLMGenerator",
-                       exact_ids=True, spends=False, layout="engine"),
+                       exact_ids=True, spends=False, layout="engine", serves_drafter=True),
     "sglang": SourceKind(SGLangSourceConfig, "pipeline.sources.sglang_source:SGLangGenerator",
                          exact_ids=True, spends=False, layout="engine_forks"),
     "transformers": SourceKind(TransformersSourceConfig, "pipeline.sources.transformers_source:TransformersGenerator",
@@ -72,6 +75,11 @@ def source_kind(cfg: Any) -> SourceKind:
         return SOURCES[cfg.kind]
     except KeyError:
         raise ValueError(f"source {cfg.name!r}: unknown kind {cfg.kind!r} (known: {sorted(SOURCES)})") from None
+
+
+def drafter_server(sources: list[Any]) -> Any | None:
+    """The first source whose engine can serve the drafter (see ``serves_drafter``), or None."""
+    return next((s for s in sources if source_kind(s).serves_drafter), None)
 
 
 def spending_sources(sources: list[Any]) -> list[Any]:

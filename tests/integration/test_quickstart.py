@@ -1,21 +1,17 @@
 """The quick start's drafter drafts: `python -m pipeline run configs/tiny.yaml` (the trained tiny target, its
 own domain's prompts) reports a held-out acceptance, and vLLM, loading the export with EAGLE-3 speculative
-decoding, measures the same drafter on the held-out prompts: at least 1.5 tokens per step at k=3 (an
-untrained drafter gives 1.0)."""
+decoding (the run's own served measure), gets the same figure per position on the held-out prompts: at least
+1.5 tokens per step at k=3 (an untrained drafter gives 1.0)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import yaml
-
-from training.heldout import is_held_out
 
 pytestmark = pytest.mark.slow
 
@@ -49,21 +45,19 @@ def test_the_quick_start_reports_a_drafter_that_drafts(quickstart):
     assert report["quarantined"] <= 0.05 * report["rows_in"], report["quarantine_by_stage"]
 
 
-def test_vllm_measures_the_exported_drafter_on_held_out_prompts(quickstart, trained_target: Path, tmp_path):
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from training.evaluate import main as evaluate
-
-    out, report, _ = quickstart
-    fraction = yaml.safe_load((out.parent / "tiny.yaml").read_text())["training"]["heldout_fraction"]
-    prompts = [r["prompt_ids"] for f in sorted((out / "samples").glob("*.parquet"))
-               for r in pq.read_table(f, columns=["sample_id", "prompt_ids"]).to_pylist()
-               if is_held_out(r["sample_id"], fraction)]
-    assert len(prompts) >= 10
-    (tmp_path / "held.json").write_text(json.dumps(prompts))
-    got = evaluate(["--target", str(trained_target), "--draft", str(out / "drafter" / "export"),
-                    "--prompts", str(tmp_path / "held.json"), "--k", str(K), "--max-tokens", "48",
-                    "--max-model-len", "1024", "--no-baseline", "--out", str(tmp_path / "eval.json")])
-    spec = got["spec"]
-    print("vLLM", {k: spec[k] for k in ("acceptance_length", "per_position_acceptance", "num_drafts")},
-          "simulated", report["training"]["heldout"])
-    assert spec["num_drafts"] > 0 and spec["acceptance_length"] >= GOAL
+def test_served_acceptance_matches_the_simulated_one(quickstart):
+    """The run serves its export in vLLM (EAGLE-3, greedy, up to the end of turn) on the held-out samples' own
+    prompts and reports it beside the simulated figure. The quick start generates greedily, so both count drafts
+    over the same tokens: they may differ only where float rounding flips a near-tie between vLLM's kernels and
+    the extraction's, a few drafts of ~200 (0.03 is six flipped rounds). The binomial tolerance the report
+    applies (three standard errors, ~0.1 here) is the looser check a sampled (T > 0) run gets."""
+    _, report, console = quickstart
+    served, sim = report["training"]["served"], report["training"]["heldout"]
+    print("served", served, "simulated", sim)
+    assert served["prompts"] == sim["samples"] >= 10 and served["k"] == sim["k"] == K
+    assert served["acceptance_length"] >= GOAL  # an untrained drafter gives 1.0
+    assert served["agreement"]["within"], served["agreement"]
+    assert abs(served["drafts"] - sim["drafts"]) <= 0.03 * sim["drafts"]
+    for got, want in zip(served["per_position"], sim["per_position"], strict=True):
+        assert got == pytest.approx(want, abs=0.03)
+    assert f"[served] acceptance length {served['acceptance_length']:.3f} at k={K} in vLLM" in console

@@ -95,6 +95,16 @@ def test_every_figure_is_drawn_from_a_full_report():
     assert "0: 600" in billing and any(t.startswith("<") for t in billing) and any(t.startswith(">") for t in billing)
 
 
+def test_the_heldout_figure_sets_the_served_figure_beside_the_simulated_one():
+    report = full_report()
+    report["training"]["served"] = {"k": 3, "prompts": 6, "acceptance_length": 2.0, "per_position": [0.6, 0.3, 0.1],
+                                    "drafts": 40}
+    fig = svgs(render_report_html(report, []))["fig-heldout"]
+    assert [r.find(f"{NS}title").text for r in fig.findall(f"{NS}rect")] == [
+        "1 sim: 60.0%", "1 vLLM: 60.0%", "2 sim: 35.0%", "2 vLLM: 30.0%", "3 sim: 15.0%", "3 vLLM: 10.0%"]
+    assert "served by vLLM 2.000" in fig.find(f"{NS}title").text
+
+
 def test_an_empty_or_partial_report_still_draws_every_figure_with_a_reason():
     for report in ({}, {"training": {"skipped": "training is off"}, "throughput": {"series": [{"t": 1.0}]}}):
         page = render_report_html(report, [])

@@ -107,7 +107,8 @@ REPORT = {
     "throughput": {"samples_per_s": 1.5, "tokens_per_s": 80.0, "series": [{"t": 1.0}]},
     "seconds": {"generate": 9.0, "extract+train": 3.0},
     "training": {"metrics": {"step": 12}, "heldout": {"samples": 4, "k": 2, "acceptance_length": 1.5,
-                                                      "per_position": [0.4, 0.1]}},
+                                                      "per_position": [0.4, 0.1]},
+                 "served": {"k": 2, "acceptance_length": 1.45, "per_position": [0.35, 0.1], "drafts": 20}},
 }
 
 
@@ -119,6 +120,7 @@ def test_report_scalars_carry_the_data_side():
     assert s["data/quarantine_reason/api: HTTP 400 _context_ _too long_"] == 1  # a name MLflow accepts
     assert s["data/left_to_do_per_source/api"] == 1 and s["data/flagged/truncated"] == 3
     assert s["heldout/acceptance/position_0"] == 0.4 and s["heldout/acceptance_length"] == 1.5
+    assert s["served/acceptance/position_0"] == 0.35 and s["served/acceptance_length"] == 1.45
     assert s["throughput/samples_per_s"] == 1.5 and "throughput/series" not in s
     assert s["seconds/extract_train"] == 3.0
 

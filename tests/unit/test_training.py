@@ -359,6 +359,21 @@ def test_walk_acceptance_counts_like_greedy_verification():
     assert drafts == 5 and accepted == [2, 1]
 
 
+def test_walk_acceptance_counts_the_tail_like_vllm():
+    """vLLM drafts k tokens every round until the request ends, and counts a draft past the end as
+    accepted when the target's argmax there agrees: the last rounds count, with what the row can check."""
+    target_next = np.arange(1, 11)  # 10 tokens; target_next[9] is the target's guess after the last one
+    prop = np.zeros((3, 10), np.int64)
+    prop[:, 5] = [7, 8, 0]  # t=5: two right -> t=8, whose verified token 9 is the last: the request ended
+    drafts, accepted = walk_acceptance(prop, target_next, start=5)
+    assert drafts == 1 and accepted == [1, 1, 0]
+    prop[:, 5] = [7, 0, 0]  # t=5: one right -> t=7, which still drafts although only one token is left
+    prop[:, 7] = [9, 10, 11]  # the second is checked against the guess after the last token; the third can't be
+    drafts, accepted = walk_acceptance(prop, target_next, start=5)
+    assert drafts == 2 and accepted == [2, 1, 0]
+    assert walk_acceptance(prop, target_next, start=8) == (0, [0, 0, 0])  # nothing left to draft
+
+
 def test_resume_after_interruption_matches_uninterrupted(tmp_path, tiny_target, target_parts, tiny_rows):
     rows = tiny_rows
     cfg = small_cfg()
