@@ -32,7 +32,7 @@ def heldout_prompts(samples_dir: Path, sample_ids: Collection[str]) -> list[list
     return [found[s] for s in sorted(found)]
 
 
-def _measure(target: str, draft: str, prompts: list[list[int]], k: int, max_tokens: int, max_model_len: int,
+def serve_drafter(target: str, draft: str, prompts: list[list[int]], k: int, max_tokens: int, max_model_len: int,
              dtype: str, kv_cache_gib: int) -> dict[str, Any]:
     """The Ray task's body: one spec-decode engine in a spawned process; an error comes back as a reason."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -63,7 +63,7 @@ def measure_served(cfg: RunConfig, export_dir: str, samples_dir: Path, heldout: 
     if not prompts:
         return {"skipped": "no held-out prompts"}
     k = cfg.training.eval_k
-    task = ray.remote(_measure).options(num_cpus=src.num_cpus, num_gpus=src.num_gpus, resources=dict(src.resources),
+    task = ray.remote(serve_drafter).options(num_cpus=src.num_cpus, num_gpus=src.num_gpus, resources=dict(src.resources),
                                         max_retries=0)
     served = ray.get(task.remote(cfg.model.path, export_dir, prompts, k, cfg.sampling.max_tokens,
                                  src.max_model_len, src.dtype, getattr(src, "kv_cache_gib", 1)))

@@ -74,13 +74,14 @@ def acceptance_report(counters: dict) -> dict:
     }
 
 
-def make_engine(target: str, draft: str | None, k: int, max_model_len: int, dtype: str):
-    """A vLLM engine for `target`, with the EAGLE-3 drafter when `draft` is given."""
+def make_engine(target: str, draft: str | None, k: int, max_model_len: int, dtype: str, tokenizer: bool = False):
+    """A vLLM engine for `target`, with the EAGLE-3 drafter when `draft` is given. Token ids in and out; the
+    `tokenizer` loads only where the end of turn must be known (vLLM takes its stop ids from it)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     kwargs = dict(
-        model=target, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+        model=target, skip_tokenizer_init=not tokenizer, dtype=dtype, max_model_len=max_model_len,
         disable_log_stats=False, enforce_eager=True, seed=0,
     )
     if draft is not None:
@@ -125,7 +126,7 @@ def shutdown_engine(llm) -> None:
 
 def _child(target, draft, prompts, k, max_tokens, max_model_len, dtype, stop_at_eos, queue) -> None:
     try:
-        llm = make_engine(target, draft, k, max_model_len, dtype)
+        llm = make_engine(target, draft, k, max_model_len, dtype, tokenizer=stop_at_eos)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which would otherwise wait out its timeout
         queue.put({"error": f"{type(e).__name__}: {e}"})
         raise

@@ -59,7 +59,7 @@ def test_console_shows_the_run_and_nothing_else(quiet, run_config: Path):
     lines = [ln for ln in out.splitlines() if ln.strip()]
     foreign = [ln for ln in lines if FOREIGN.search(ln)]
     assert foreign == [], "third-party lines on the console:\n" + "\n".join(foreign)
-    assert len(out.splitlines()) <= 40, out
+    assert len(out.splitlines()) <= 44, out  # header, one or two lines per phase, the report, the exit line
     # header
     assert lines[0] == f"pipeline run {run_config}"
     assert any(ln.startswith("  datasets  chat 8, code 4 (12 rows)") for ln in lines), out
@@ -70,6 +70,7 @@ def test_console_shows_the_run_and_nothing_else(quiet, run_config: Path):
     assert any(ln.startswith("[extract] ") and " samples in " in ln for ln in lines), out
     assert any(ln.startswith("[train] step 6/6 done in ") for ln in lines), out
     assert any(ln.startswith("[held-out] acceptance length ") for ln in lines), out
+    assert any(ln.startswith("[served] acceptance length ") and " in vLLM on " in ln for ln in lines), out
     # the report, then the exit line
     assert "Run report" in out and lines[-1].startswith("done: every prompt passed or quarantined")
 

@@ -36,6 +36,7 @@ def tiny_run(tmp_path_factory, repo_root: Path, clean_target: Path, ray_session)
     cfg.sampling.max_tokens = 64
     cfg.training.steps = 12
     cfg.training.checkpoint_every = 6
+    cfg.training.served_eval = False  # one vLLM engine less: the quick start and console tests serve the drafter
     report = run(cfg)
     return cfg, out, report
 
