@@ -48,8 +48,9 @@ class ModelConfig(Strict):
     build_tiny: bool = False  # build the tiny CPU target at `path` when it is absent
     # Which tiny target: "well-formed" behaves like a trained reasoning model (a clean run passes every
     # check); "wild" writes </think>, end-of-turn and tool markers at random (the checks' hard cases);
-    # "trained" is trained on shop arithmetic (peaked like a real model; give it that domain's prompts).
-    tiny_variant: Literal["well-formed", "wild", "trained"] = "well-formed"
+    # "trained" is trained on shop arithmetic (peaked like a real model; give it that domain's prompts);
+    # "reasoning" on multi-step word problems worked step by step (100-300 token answers: tiny_reasoning.py).
+    tiny_variant: Literal["well-formed", "wild", "trained", "reasoning"] = "well-formed"
     # Size of the target's weights in GB (10^9 bytes), for the extraction sizing check made away from the
     # weights (`check --no-paths`); a readable model folder's checkpoint index wins (pipeline.sizing).
     weights_gb: float | None = Field(None, gt=0)

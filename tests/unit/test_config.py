@@ -492,3 +492,14 @@ def test_target_ids_are_stored_unless_a_tp_engine_extracts():
     assert not ExtractionConfig(**tp).stores_target_ids
     with pytest.raises(ValueError, match="argmax would run on the actor's CPU"):
         ExtractionConfig(**tp, target_ids=True)
+
+
+def test_every_tiny_variant_the_builder_knows_is_a_valid_config_value():
+    from typing import get_args
+
+    from pipeline.config import ModelConfig
+    from pipeline.tiny_model import VARIANTS
+
+    assert set(get_args(ModelConfig.model_fields["tiny_variant"].annotation)) == set(VARIANTS)
+    reasoning = load_config(ROOT / "configs" / "tiny_reasoning.yaml", base_dir=ROOT, check_paths=False)
+    assert reasoning.model.tiny_variant == "reasoning" and reasoning.sampling.temperature == 0.0
