@@ -71,11 +71,13 @@ def trained_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def reasoning_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reasoning tiny target (multi-step word problems, 100-300 token traces): ~3 minutes to build, once a
-    session."""
+    """The reasoning tiny target (multi-step word problems, 100-300 token traces): ~4 minutes to build, once a
+    session. ``TINY_REASONING_DIR`` names a folder to build into (or reuse, when it holds this recipe's build):
+    a developer's shortcut; CI builds it fresh."""
     from pipeline.tiny_model import build_tiny_target
 
-    return build_tiny_target(tmp_path_factory.mktemp("reasoning-target"), variant="reasoning")
+    folder = os.environ.get("TINY_REASONING_DIR") or tmp_path_factory.mktemp("reasoning-target")
+    return build_tiny_target(folder, variant="reasoning")
 
 
 def _free_port() -> int:
