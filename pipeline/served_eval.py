@@ -63,10 +63,13 @@ def measure_served(cfg: RunConfig, export_dir: str, samples_dir: Path, heldout: 
     if not prompts:
         return {"skipped": "no held-out prompts"}
     k = cfg.training.eval_k
-    task = ray.remote(serve_drafter).options(num_cpus=src.num_cpus, num_gpus=src.num_gpus, resources=dict(src.resources),
-                                        max_retries=0)
-    served = ray.get(task.remote(cfg.model.path, export_dir, prompts, k, cfg.sampling.max_tokens,
-                                 src.max_model_len, src.dtype, getattr(src, "kv_cache_gib", 1)))
+    task = ray.remote(serve_drafter).options(num_cpus=src.num_cpus, num_gpus=src.num_gpus,
+                                             resources=dict(src.resources), max_retries=0)
+    try:
+        served = ray.get(task.remote(cfg.model.path, export_dir, prompts, k, cfg.sampling.max_tokens,
+                                     src.max_model_len, src.dtype, getattr(src, "kv_cache_gib", 1)))
+    except (ray.exceptions.RayError, OSError) as e:  # the task's worker died (OOM, a lost node): reported, not fatal
+        return {"error": f"the served measure's task failed: {type(e).__name__}: {str(e)[:300]}"}
     if "error" in served or heldout.get("acceptance_length") is None:
         return served
     return served | {"source": src.name, "agreement": agreement(served, heldout)}
