@@ -54,7 +54,9 @@ accept)  # DRAFT=<drafter folder>
   $V/python $H/vllm_accept.py $TARGET ${DRAFT:-$P/drafter} --k $K --n 32 --max-tokens $MAX_TOKENS \
     --prompts $P/data/prompts_heldout.txt | grep acceptance_length ;;
 served)  # DRAFT=<drafter folder>: vLLM at k=3, 5, 7 beside the simulation on vLLM's own outputs, same prompts
+  LOG=$P/logs/served_$(basename "$(dirname "${DRAFT:-$P/drafter}")")_$(basename "${DRAFT:-drafter}").log
   "$ROOT/.venv/bin/python" -m training.served --target $TARGET --draft ${DRAFT:-$P/drafter} --text \
     --prompts $P/data/prompts_heldout.txt --k 3 5 7 --max-tokens $MAX_TOKENS --out ${DRAFT:-$P/drafter}/served.json \
-    2> $P/logs/served_$(basename ${DRAFT:-drafter}).log | grep -v "^report written" ;;
+    > "$LOG" 2>&1   # vLLM logs to stdout: only the report's lines come to the console
+  grep -E "^(draft |k=|      )" "$LOG" ;;
 esac
