@@ -14,8 +14,8 @@ own argmax agrees (its scheduler counts acceptances before it truncates at the s
 runs from every t whose verified token t+1 is not the sequence's last, and a draft is compared with the
 target's argmax wherever the row has it (up to the prediction after the last token); a draft beyond
 that is counted as rejected, the one guess this cannot check. Stopping k tokens short of the end instead
-would leave out the rounds where the deep positions fail most (on ~30-token answers, ~10% of the
-drafts at k=3 and far more at k=7).
+leaves out the rounds where the deep positions fail most (measured on 16-token answers at k=3: 228
+drafts counted against vLLM's 233; the share grows with k).
 """
 
 from __future__ import annotations
