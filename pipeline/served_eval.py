@@ -33,7 +33,7 @@ def heldout_prompts(samples_dir: Path, sample_ids: Collection[str]) -> list[list
 
 
 def serve_drafter(target: str, draft: str, prompts: list[list[int]], k: int, max_tokens: int, max_model_len: int,
-             dtype: str, kv_cache_gib: int) -> dict[str, Any]:
+                  dtype: str, kv_cache_gib: int) -> dict[str, Any]:
     """The Ray task's body: one spec-decode engine in a spawned process; an error comes back as a reason."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     from training.served import served_acceptance
