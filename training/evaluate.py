@@ -22,20 +22,38 @@ from pipeline.layout import atomic_write_json
 SPEC_PREFIX = "vllm:spec_decode_"
 
 
+class PromptFileError(ValueError):
+    """A prompts file that cannot be read as token-id prompts; the message names the file and the place."""
+
+
 def read_prompts(path: str | Path) -> list[list[int]]:
-    """Token-id prompts from JSON (list of lists) or JSONL (lists or objects per line)."""
-    text = Path(path).read_text()
+    """Token-id prompts from JSON (list of lists) or JSONL (lists or objects per line). Any other content
+    raises PromptFileError with the reason (the CLIs print it as one line), never a bare traceback."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptFileError(f"{path}: cannot read it ({type(e).__name__})") from None
     try:
         items = json.loads(text)
     except json.JSONDecodeError:
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        items = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise PromptFileError(f"{path}:{n}: not JSON ({e.msg})") from None
+    if not isinstance(items, list):
+        raise PromptFileError(f"{path}: expected a list of prompts, got {type(items).__name__}")
     if items and isinstance(items[0], int):  # a single JSONL line parsed as one prompt
         items = [items]
     prompts = []
-    for item in items:
+    for n, item in enumerate(items, 1):
         if isinstance(item, dict):
             item = item.get("prompt_token_ids", item.get("input_ids"))
-        prompts.append([int(t) for t in item])
+        if not isinstance(item, list) or not item or not all(isinstance(t, int) and t >= 0 for t in item):
+            raise PromptFileError(f"{path}: prompt {n} is not a non-empty list of token ids")
+        prompts.append(list(item))
     return prompts
 
 
@@ -216,7 +234,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="JSON report path (default: DRAFT/eval_k{K}.json)")
     args = ap.parse_args(argv)
     if args.prompts:
-        prompts = read_prompts(args.prompts)
+        try:
+            prompts = read_prompts(args.prompts)
+        except PromptFileError as e:
+            raise SystemExit(f"error: {e}") from None
     else:
         from training.target import read_target_config
 

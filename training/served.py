@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.layout import atomic_write_json
-from training.evaluate import measure_in_subprocess, read_prompts
+from training.evaluate import PromptFileError, measure_in_subprocess, read_prompts
 
 MIN_TOLERANCE = 0.01
 
@@ -154,7 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None, help="JSON report (default: DRAFT/served.json)")
     args = ap.parse_args(argv)
-    prompts = text_prompts(args.target, args.prompts) if args.text else read_prompts(args.prompts)
+    try:
+        prompts = text_prompts(args.target, args.prompts) if args.text else read_prompts(args.prompts)
+    except (PromptFileError, OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {e}") from None
     prompts = prompts[: args.max_prompts] if args.max_prompts else prompts
     report = served_vs_simulated(args.target, args.draft, prompts, args.k, args.max_tokens, args.max_model_len,
                                  args.dtype)

@@ -76,3 +76,19 @@ def test_the_report_prints_served_beside_held_out_with_the_verdict():
             "prompts, 210 drafts; DIFFERS from the simulated figure beyond sampling noise") in text
     r["training"]["served"] = {"skipped": "no source whose engine serves an EAGLE-3 drafter (kind vllm) in this run"}
     assert "served       no source whose engine serves" in format_report(r, Path("/out"))
+
+
+def test_a_bad_prompts_file_is_one_clear_error(tmp_path):
+    from training.evaluate import PromptFileError, read_prompts
+
+    cases = {"a.jsonl": '[1, 2]\n{"oops"\n', "b.json": '{"x": 1}', "c.json": '[[1, "two"]]', "d.json": "[[]]",
+             "e.bin": b"\xff\xfe\x00"}
+    for name, body in cases.items():
+        path = tmp_path / name
+        path.write_bytes(body if isinstance(body, bytes) else body.encode())
+        with pytest.raises(PromptFileError, match=name):
+            read_prompts(path)
+    with pytest.raises(PromptFileError, match="cannot read"):
+        read_prompts(tmp_path / "missing.json")
+    (tmp_path / "ok.jsonl").write_text('{"prompt_token_ids": [7, 8]}\n[9]\n')
+    assert read_prompts(tmp_path / "ok.jsonl") == [[7, 8], [9]]
