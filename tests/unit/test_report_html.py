@@ -1,5 +1,5 @@
 """report.html: pure figure functions, the throughput snapshots behind one of them, the never-failing
-writer, and the page as headless Chromium lays it out (scripts/setup.sh installs Chromium)."""
+writer, and the page as headless Chromium lays it out (`scripts/setup.sh --tests` installs Chromium)."""
 
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ document.body.appendChild(pre);
 def chromium() -> str:
     exe = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
     if exe is None:  # not a skip: a page nobody opened is not a tested page
-        pytest.fail("Chromium not found: scripts/setup.sh installs it "
+        pytest.fail("Chromium not found: `bash scripts/setup.sh --tests` installs it "
                     "(apt-get install -y --no-install-recommends chromium)")
     return exe
 
