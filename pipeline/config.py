@@ -145,11 +145,21 @@ class EngineSourceConfig(Strict):
     # Custom Ray resources the actor needs in all (e.g. {h200: 8} to stay on cluster.yaml's H200 nodes);
     # with TP > 1 in a placement group they are split evenly over its TP bundles.
     resources: dict[str, float] = Field(default_factory=dict)
+    # Dollars per device-hour (a GPU, or the whole actor for a CPU engine): prices the engine time each sample
+    # used (``engine_s``) in the report and `status`. None: the time is reported, in device-hours only.
+    gpu_hour_usd: float | None = Field(None, ge=0, allow_inf_nan=False)
 
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
         return check_name("source", v)
+
+    def devices(self) -> float:
+        """Devices one actor holds while it generates: its GPUs (the TP group's, when larger), or 1 on CPU."""
+        if self.num_gpus > 0:
+            return max(self.num_gpus, float(self.tensor_parallel_size)) if self.tensor_parallel_size > 1 \
+                else self.num_gpus
+        return 1.0
 
 
 class VLLMSourceConfig(EngineSourceConfig):

@@ -41,6 +41,7 @@ SAMPLE_SCHEMA = pa.schema([
     ("cost", pa.float64()),
     ("sampling", pa.string()),      # JSON of the parameters sent
     ("t_generate_s", pa.float64()),
+    ("engine_s", pa.float64()),     # device-seconds of a local engine's busy time this sample used (0 for APIs)
     ("checks_failed", pa.list_(pa.string())),
     ("checks_flagged", pa.list_(pa.string())),
     ("check_details", pa.string()),  # JSON {check: detail}
@@ -84,7 +85,7 @@ def empty_sample(prompt_row: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = dict.fromkeys(SAMPLE_COLUMNS)
     out.update({
         "tools": "", "tool_calls": "", "reasoning": None, "content": None, "ids_from": "engine",
-        "billed_completion_tokens": -1, "cost": 0.0, "truncated": False, "checks_failed": [],
+        "billed_completion_tokens": -1, "cost": 0.0, "engine_s": 0.0, "truncated": False, "checks_failed": [],
         "checks_flagged": [], "check_details": "{}", "provider": "", "model": "",
     })
     for k in ("sample_id", "dataset", "row_index", "messages", "tools", "thinking",

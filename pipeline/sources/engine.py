@@ -60,6 +60,16 @@ def fill_from_engine(row: dict[str, Any], profile: Any, ids: list[int], finish: 
     )
 
 
+def busy_shares(device_s: float, prompt_lens: list[int], outputs: list[list[int] | None]) -> list[float]:
+    """Split one batch's engine time (device-seconds) over its samples by the tokens each made the engine process
+    (prompt + output). Rows that came back without ids get nothing: the time spent on them is the price of the
+    samples that did come back, so the shares add up to the engine's busy time. Only a call that raised (its
+    rows are retried one at a time) or a batch with no sample at all leaves its time unattributed."""
+    tokens = [p + len(o) if o is not None else 0 for p, o in zip(prompt_lens, outputs, strict=True)]
+    total = sum(tokens)
+    return [device_s * t / total if total else 0.0 for t in tokens]
+
+
 def start_error_text(exc: BaseException, limit: int = 500) -> str:
     """``Type: message`` of a failed engine start: one line, capped, tokens blanked (it is copied into rows)."""
     text = redact(f"{type(exc).__name__}: {' '.join(str(exc).split())}", [os.environ.get(k) for k in TOKEN_ENV])
@@ -159,6 +169,7 @@ class EngineSource:
         return rows_to_table(rows)
 
     def _serve(self, rows: list[dict[str, Any]]) -> None:
+        t0 = time.perf_counter()
         try:
             results = self.generate_rows(rows)
         except Exception as e:
@@ -171,12 +182,16 @@ class EngineSource:
             for r in rows:
                 fail_row(r, f"engine error: {type(e).__name__}: {e}", self.source_name, self.router)
             return
-        for r, res in zip(rows, results, strict=True):
+        busy = time.perf_counter() - t0
+        shares = busy_shares(busy * self.cfg.devices(), [len(r["prompt_ids"]) for r in rows],
+                             [None if res.error is not None else res.ids for res in results])
+        for r, res, share in zip(rows, results, shares, strict=True):
             self._provenance(r)
             if res.error is not None or res.ids is None:
                 fail_row(r, f"engine error: {res.error or 'no output ids'}", self.source_name, self.router)
                 continue
             fill_from_engine(r, self.profile, res.ids, res.finish, res.seconds)
+            r["engine_s"] = share
             served(r, self.source_name)
 
     def _provenance(self, row: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -165,6 +166,33 @@ def test_every_fault_ends_in_its_class(profile, caplog):
     assert abs(sum(p["cost"] for p in rep["providers"].values()) - rep["datasets"]["d"]["cost"]) < 1e-9
     assert server.counts.get("fault_cutoff", 0) and server.counts.get("client_gone", 0)
     assert_key_absent(json.dumps(out, default=str), json.dumps(rep), caplog.text)
+
+
+def test_cost_per_sample_sums_to_the_providers_own_bill(profile, tmp_path):
+    """#27: each sample carries the dollars the provider billed for it (usage.cost, prompt tokens included), so
+    spend per dataset is the provider's bill split by dataset -- checked against the server's own bill log."""
+    from pipeline.costs import cost_table
+
+    rows = prompt_rows(10, dataset="shop") + prompt_rows(14, dataset="math")
+    log = tmp_path / "bills.jsonl"
+    cfg_server = ServerConfig(api_key_env=KEY_ENV, seed=3, bill_log=str(log), prompt_price_per_token=2e-7)
+    with serve_in_thread(cfg_server, CannedBackend(2, profile)) as (url, _server):
+        cfg = source_cfg(url, budgets={"shop": 10**6, "math": 10**6})
+        out = run_local(OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg, strict=True), seed=1), rows)
+    samples, _, _ = split_outcomes(out)
+    assert len(samples) == len(rows)
+    bills = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(bills) == len(rows)  # no fault: one billed generation per prompt
+    table = cost_table(samples, {})
+    assert table["total"]["billed_usd"] == pytest.approx(sum(b["cost"] for b in bills), rel=1e-9, abs=1e-12)
+    by_prompt = {}
+    for b in bills:
+        by_prompt[b["messages_sha256"]] = b["cost"]
+    for s in samples:  # and sample by sample: the provider's bill for that very conversation
+        digest = hashlib.sha256(json.dumps(json.loads(s["messages"]), sort_keys=True).encode()).hexdigest()
+        assert s["cost"] == pytest.approx(by_prompt[digest], rel=1e-9)
+    assert table["by_dataset"]["shop"]["samples"] == 10 and table["by_dataset"]["math"]["samples"] == 14
+    assert table["by_dataset"]["shop"]["usd"] > 0 and table["by_dataset"]["math"]["usd"] > 0
 
 
 def test_budget_stops_requests_and_a_resumed_run_finishes(profile):

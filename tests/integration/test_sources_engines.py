@@ -109,6 +109,34 @@ def test_vllm_seeded_samples_do_not_depend_on_their_batch(tiny_llm, tiny_target,
     assert len({tuple(r["output_ids"]) for r in together}) > 1
 
 
+def test_engine_time_is_split_over_a_batch_by_tokens_and_adds_up_to_the_call(tiny_llm, tiny_target, flight_rows):
+    """#27: each sample carries its share of the engine's busy time (``engine_s``, device-seconds): the shares
+    add up to the time the stage spent generating, in proportion to the tokens each sample made it process."""
+    import time
+
+    rows = fresh(flight_rows)
+    oov = dict(fresh(flight_rows[:1])[0], sample_id="chat:99:oov")
+    oov["prompt_ids"] = oov["prompt_ids"] + [10**7]  # the batch call raises: rows are retried one at a time
+    stage = VLLMGenerator(str(tiny_target), "deepseek", GREEDY, VLLM.model_copy(update={"gpu_hour_usd": 2.0}),
+                          llm=tiny_llm)
+    t0 = time.perf_counter()
+    out = stage(rows_to_table(rows)).to_pylist()
+    wall = time.perf_counter() - t0
+    shares = [r["engine_s"] for r in out]
+    assert all(s > 0 for s in shares) and 0.8 * wall <= sum(shares) <= wall
+    per_token = [r["engine_s"] / (len(r["prompt_ids"]) + len(r["output_ids"])) for r in out]
+    assert max(per_token) == pytest.approx(min(per_token), rel=1e-9)  # one batch: the same price per token
+    # Retried one at a time after a failed batch call: each sample pays its own call, the bad row pays nothing
+    # (it is quarantined), and the failed call's time is not put on anyone.
+    t0 = time.perf_counter()
+    out = stage(rows_to_table(fresh(flight_rows[:2]) + [oov])).to_pylist()
+    wall = time.perf_counter() - t0
+    by_id = {r["sample_id"]: r for r in out}
+    assert by_id["chat:99:oov"]["status"] == "quarantine" and by_id["chat:99:oov"]["engine_s"] in (None, 0.0)
+    ok = [r["engine_s"] for r in out if r["status"] == "ok"]
+    assert len(ok) == 2 and all(s > 0 for s in ok) and sum(ok) < wall
+
+
 def test_transformers_greedy_ids_equal_vllm_greedy_ids(tiny_llm, tiny_target, flight_rows):
     rows = fresh(flight_rows[:2] + flight_rows[3:5])  # chat and tool-calling prompts
     stage = TransformersGenerator(str(tiny_target), "deepseek", GREEDY, HF)
