@@ -39,11 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 AUX_IDS = [1, 2, 3]  # a 4-layer target: the default ids collide
 MAX_TOKENS = 384
 HELD = 32
+EAGLE3 = {"fc_norm": False, "norm_output": False}  # explicit: the library default is EAGLE-3.1
+EAGLE31 = {"fc_norm": True, "norm_output": True}
 CHOICES: dict[str, dict[str, Any]] = {
-    "eagle3+ce": {},
-    "eagle3+lk_lambda": {"loss": "lk_lambda"},
-    "eagle3.1+ce": {"fc_norm": True, "norm_output": True},
-    "eagle3.1+lk_lambda": {"fc_norm": True, "norm_output": True, "loss": "lk_lambda"},
+    "eagle3+ce": {**EAGLE3, "loss": "ce"},
+    "eagle3+lk_lambda": {**EAGLE3, "loss": "lk_lambda"},
+    "eagle3.1+ce": {**EAGLE31, "loss": "ce"},
+    "eagle3.1+lk_lambda": {**EAGLE31, "loss": "lk_lambda"},
 }
 SIM_KS = (3, 5, 7)
 SERVED_K = 5

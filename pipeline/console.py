@@ -136,10 +136,17 @@ def train_line(metrics: Mapping[str, Any], total_steps: int, elapsed_s: float, s
 
 
 def heldout_line(result: Mapping[str, Any], elapsed_s: float) -> str:
+    """One line, however many datasets: the figure, and the weakest dataset among those with enough drafts
+    (the report lists them all)."""
     if result.get("acceptance_length") is None:
         return f"[held-out] {result.get('skipped') or 'not measured'}"
+    by = result.get("by_dataset")
+    groups = [g for g in by if isinstance(g, Mapping)] if isinstance(by, list) else []
+    sure = [g for g in groups if isinstance(g.get("acceptance_length"), int | float) and not g.get("few")]
+    weakest = min(sure, key=lambda g: g["acceptance_length"]) if len(groups) >= 2 and sure else None
+    weak = f" (weakest dataset {weakest.get('name')} {weakest['acceptance_length']:.2f})" if weakest else ""
     return (f"[held-out] acceptance length {result['acceptance_length']:.3f} at k={result['k']} on "
-            f"{result['samples']} samples never trained on, done in {duration(elapsed_s)}")
+            f"{result['samples']} samples never trained on{weak}, done in {duration(elapsed_s)}")
 
 
 def served_line(result: Mapping[str, Any], elapsed_s: float) -> str:

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from pipeline.config import ExtractionConfig, RunConfig
 from pipeline.console import Console, ExtractWatch, TrainWatch, heldout_line, served_line
 from pipeline.layout import RunLayout
-from pipeline.records import read_samples_dataset
+from pipeline.records import read_samples, read_samples_dataset
 from pipeline.report import Timings
 
 if TYPE_CHECKING:
@@ -192,7 +192,8 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
                 # stream mode: a second, small extraction pass (one more engine start-up); shards: a re-read
                 with placement_groups_released():
                     held = h.hidden_rows(keep_heldout=True).take_all()
-                result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held, tcfg.eval_k)
+                result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held, tcfg.eval_k,
+                                                       sample_labels(layout, [r["sample_id"] for r in held]))
             timings.add("heldout_eval", t0)
             if tcfg.served_eval:
                 result["served"] = served_phase(cfg, layout, console, str(res.export_dir), result["heldout"],
@@ -216,6 +217,13 @@ def served_phase(cfg: RunConfig, layout: RunLayout, console: Console, export_dir
         out.update(measure_served(cfg, export_dir, layout.samples, heldout, sample_ids))
     timings.add("served_eval", t0)
     return out
+
+
+def sample_labels(layout: RunLayout, sample_ids: list[Any]) -> dict[str, dict[str, Any]]:
+    """Dataset and source of these samples (hidden rows carry neither), from one columnar read of samples/."""
+    want = {str(s) for s in sample_ids}
+    rows, _ = read_samples(layout.samples, ["sample_id", "dataset", "source"])
+    return {r["sample_id"]: r for r in rows if r["sample_id"] in want}
 
 
 def training_samples(layout: RunLayout, heldout_fraction: float) -> int:

@@ -155,6 +155,31 @@ def _reason_key(reason: str) -> str:
     return reason.split(":", 1)[0][:80]
 
 
+def heldout_groups(h: Any, field: str) -> list[dict[str, Any]]:
+    """The well-formed items of the held-out figure's ``by_<field>`` breakdown (report.json may be old or
+    edited by hand: anything else is left out, never raised on)."""
+    items = h.get(f"by_{field}") if isinstance(h, dict) else None
+    return [g for g in items if isinstance(g, dict) and isinstance(g.get("acceptance_length"), int | float)
+            and isinstance(g.get("drafts"), int)] if isinstance(items, list) else []
+
+
+def heldout_group_text(g: dict[str, Any]) -> str:
+    """``shop 2.81 ± 0.05 (120 drafts)``; a group with few drafts says so."""
+    se = f" ± {g['se']:.2f}" if isinstance(g.get("se"), int | float) else ""
+    few = ", few" if g.get("few") else ""
+    return f"{g.get('name')} {g['acceptance_length']:.2f}{se} ({g['drafts']} draft{'s' * (g['drafts'] != 1)}{few})"
+
+
+def heldout_breakdown_lines(h: Any) -> list[str]:
+    """The held-out acceptance per dataset and per source, a line each where there are two groups or more."""
+    lines = []
+    for field in ("dataset", "source"):
+        groups = heldout_groups(h, field)
+        if len(groups) >= 2:
+            lines.append(f"  held-out by {field}: " + " · ".join(heldout_group_text(g) for g in groups))
+    return lines
+
+
 def format_report(r: dict[str, Any], out: Path) -> str:
     lines = [
         "",
@@ -202,6 +227,7 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         per = " ".join(f"{p:.2f}" for p in h["per_position"])
         lines.append(f"  held-out     acceptance length {h['acceptance_length']:.3f} at k={h['k']} (per position "
                      f"[{per}]) on {h['samples']} samples never trained on (simulated greedy verification)")
+        lines += heldout_breakdown_lines(h)
     elif h:
         lines.append(f"  held-out     {h.get('skipped')}")
     s = t.get("served") or {}

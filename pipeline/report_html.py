@@ -7,7 +7,7 @@ functions from the report dict (``report.json``) and the drafter's ``metrics.jso
 * generation throughput over time per source (``throughput.series``, see pipeline.throughput)
 * billing differences: rebuilt ids minus billed completion tokens (all sources, then per provider)
 * training curves per TTT position (loss, accuracy), learning rate, tokens/s
-* held-out acceptance per draft position
+* held-out acceptance per draft position, and per dataset of the held-out samples (± one standard error)
 
 Every figure is an ``<svg>`` with a fixed id (``FIGURE_IDS``) and a ``<title>``, drawn even when it
 has no data (it then says why), so tests and people find the same figures in every report.
@@ -33,7 +33,7 @@ log = logging.getLogger("pipeline")
 FIGURE_IDS = ("fig-quarantine-reasons", "fig-samples-per-source", "fig-throughput", "fig-throughput-cumulative",
               "fig-throughput-tokens",
               "fig-billing", "fig-seconds", "fig-train-loss", "fig-train-acc", "fig-train-lr", "fig-train-tps",
-              "fig-heldout")
+              "fig-heldout", "fig-heldout-datasets")
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
            "#bab0ac")
 MAX_LINE_POINTS = 400
@@ -119,15 +119,17 @@ def empty_figure(fig_id: str, title: str, message: str, w: int = NARROW, h: int 
 def bar_chart(fig_id: str, title: str, bars: Sequence[tuple[str, float]], *, y_label: str = "",
               x_label: str = "", colours: Sequence[str] | None = None, w: int = NARROW, h: int = 240,
               y_max: float | None = None, value_fmt: Callable[[float], str] | None = None,
-              empty: str = "no data", subtitle: str = "") -> str:
-    """Vertical bars, one per (label, value); labels thinned to fit; values on the bars when they fit."""
+              empty: str = "no data", subtitle: str = "", errors: Sequence[float | None] | None = None) -> str:
+    """Vertical bars, one per (label, value); labels thinned to fit; values on the bars when they fit;
+    ``errors``: a whisker of ± that much on each bar (None: none)."""
     if not bars:
         return empty_figure(fig_id, title, empty, w)
+    errs = [e if isinstance(e, int | float) and e > 0 else 0.0 for e in errors or []] + [0.0] * len(bars)
     left, right, bottom = 52, 10, 42 if x_label else 28
     show_values = len(bars) <= 24 and (w - left - right) / len(bars) >= 22
     top = 28 + (SUB if subtitle else 0) + (12 if show_values else 0)
     pw, ph = w - left - right, h - top - bottom
-    peak = y_max if y_max is not None else max(max(v for _, v in bars), 1e-12)
+    peak = y_max if y_max is not None else max(max(v + e for (_, v), e in zip(bars, errs, strict=False)), 1e-12)
     ticks = nice_ticks(0, peak, 5)
     top_val = ticks[-1]
     parts = [_svg_open(fig_id, title, w, h, subtitle)]
@@ -141,6 +143,12 @@ def bar_chart(fig_id: str, title: str, bars: Sequence[tuple[str, float]], *, y_l
         parts.append(f'<rect x="{x + bw * 0.12:.1f}" y="{top + ph - bh:.1f}" width="{max(bw * 0.76, 1):.1f}" '
                      f'height="{bh:.1f}" fill="{colour}"><title>{escape(label)}: {escape(_val(value, value_fmt))}'
                      "</title></rect>")
+        if errs[i]:  # whisker from value - error to value + error, clipped to the axis
+            lo, hi = (top + ph - ph * min(max(v, 0), top_val) / top_val for v in (value - errs[i], value + errs[i]))
+            cx, cap = x + bw / 2, min(bw * 0.15, 6)
+            parts.append(f'<path d="M{cx:.1f} {lo:.1f}V{hi:.1f}M{cx - cap:.1f} {hi:.1f}H{cx + cap:.1f}'
+                         f'M{cx - cap:.1f} {lo:.1f}H{cx + cap:.1f}" stroke="#333" fill="none"/>')
+            bh = max(bh, top + ph - hi)  # the value label goes above the whisker
         if show_values and value:
             parts.append(f'<text x="{x + bw / 2:.1f}" y="{top + ph - bh - 3:.1f}" text-anchor="middle" '
                          f'class="val">{escape(_val(value, value_fmt))}</text>')
@@ -408,6 +416,31 @@ def heldout_figure(report: dict[str, Any]) -> str:
                      value_fmt=lambda v: f"{v:.1%}" if v < 1 else "100%", x_label=x_label)
 
 
+def heldout_datasets_figure(report: dict[str, Any]) -> str:
+    """The held-out acceptance length per dataset of the held-out samples, ± one standard error, so a
+    weak dataset shows and so does whether a gap is beyond noise. Grey: fewer drafts than a sure figure needs."""
+    from pipeline.report import heldout_groups
+
+    fig_id, title = "fig-heldout-datasets", "Held-out acceptance per dataset"
+    training = report.get("training") or {}
+    h = training.get("heldout") or {}
+    if h.get("acceptance_length") is None:
+        why = h.get("skipped") or training.get("skipped") or "no held-out evaluation in this run"
+        return empty_figure(fig_id, title, why)
+    groups = heldout_groups(h, "dataset")
+    if len(groups) < 2:
+        why = (f"one dataset held out ({groups[0].get('name')}): its figure is the one beside" if groups else
+               "no per-dataset figures in this report (written before they were measured)")
+        return empty_figure(fig_id, title, why)
+    bars = [(str(g.get("name")), float(g["acceptance_length"])) for g in groups]
+    few = [bool(g.get("few")) for g in groups]
+    sub = f"tokens per target step at k={h.get('k')}, ± 1 standard error" + ("; grey: few drafts" if any(few) else "")
+    return bar_chart(fig_id, title, bars, subtitle=sub, y_label="acceptance length",
+                     colours=[PALETTE[9] if f else PALETTE[2] for f in few],
+                     errors=[g.get("se") for g in groups], value_fmt=lambda v: f"{v:.2f}",
+                     x_label="dataset of the held-out samples (simulated greedy verification)")
+
+
 # ----------------------------------------------------------------------------- tables and page
 
 
@@ -541,7 +574,8 @@ def render_report_html(report: dict[str, Any], metrics_rows: list[dict[str, Any]
         + "<h2>Billing</h2>" + billing_figures(report) + _spend_table(report)
         + "<h2>Checks</h2>" + _checks_table(report)
         + "<h2>Drafter training</h2><div class=grid2>" + training_figures(rows) + "</div>"
-        + "<h2>Held-out acceptance</h2>" + heldout_figure(report) + _training_table(report)
+        + "<h2>Held-out acceptance</h2><div class=grid2>" + heldout_figure(report)
+        + heldout_datasets_figure(report) + "</div>" + _training_table(report)
         + "</body></html>\n"
     )
 

@@ -21,6 +21,7 @@ from pipeline.config import RunConfig
 from pipeline.datasets import load_dataset
 from pipeline.layout import RunLayout
 from pipeline.records import read_rows, read_samples
+from pipeline.report import heldout_breakdown_lines
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
@@ -215,5 +216,6 @@ def format_status(s: dict[str, Any]) -> str:
     if isinstance(h, dict) and isinstance(h.get("acceptance_length"), int | float):
         lines.append(f"  held-out acceptance length {h['acceptance_length']:.3f} at k={h.get('k')} on "
                      f"{h.get('samples')} samples (last report)")
+        lines += heldout_breakdown_lines(h)
     lines.append("  finished" if is_finished(s) else "  not finished: re-run the same config to continue")
     return "\n".join(lines)

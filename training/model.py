@@ -11,7 +11,7 @@ Structure (matches vLLM's `Eagle3LlamaForCausalLM`, `llama_eagle3.py`, flag by f
   h2       = h1 + mlp(post_attention_layernorm(h1))        # pre-norm output, what `step` returns
   logits   = lm_head(norm(h2))                             # over the draft vocab
   next h   = norm(h2) if norm_output else h2               # `carry`: what the next draft step consumes
-With every flag off (the default) this is plain EAGLE-3; fc_norm + norm_output is "EAGLE-3.1".
+With every flag off this is plain EAGLE-3; fc_norm + norm_output is "EAGLE-3.1" (the training default).
 """
 
 from __future__ import annotations

@@ -42,6 +42,14 @@ class AcceptanceStats:
     num_accepted: int
 
 
+@dataclass(frozen=True)
+class RowCounts:
+    """One row's verification rounds (drafts) and, per draft position, how many of them were accepted."""
+
+    drafts: int
+    accepted: list[int]
+
+
 @torch.no_grad()
 def propose_all(drafter: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, k: int) -> torch.Tensor:
     """Greedy draft proposals for every start index: (k, T) target token ids, where row j at t
@@ -84,6 +92,44 @@ def walk_acceptance(proposals: np.ndarray, target_next: np.ndarray, start: int) 
     return drafts, accepted
 
 
+def row_counts(drafter: Eagle3Drafter, rows: Sequence[dict], lm_head: torch.Tensor, k: int = 3) -> list[RowCounts]:
+    """Per row, in order: its drafts and accepted drafts per position under simulated greedy verification
+    (a row without loss-masked tokens drafts nothing). One pass serves every breakdown of the rows
+    (``training.heldout`` groups them by dataset and source); ``simulate_acceptance`` sums it."""
+    drafter = drafter.eval()
+    out: list[RowCounts] = []
+    for row in rows:
+        # copies: Ray hands out read-only arrays; rows may carry bf16 bits (the extraction's compact format)
+        ids = torch.from_numpy(np.array(row["input_ids"], np.int64))
+        aux = torch.from_numpy(np.array(as_float32(row["aux_hidden"])))
+        final = torch.from_numpy(np.array(as_float32(row["final_hidden"])))
+        mask = np.asarray(row["loss_mask"]).astype(bool)
+        if not mask.any():
+            out.append(RowCounts(0, [0] * k))
+            continue
+        start = int(np.argmax(mask)) - 1  # hidden of the last prompt token
+        if start < 0:
+            raise ValueError("row must have at least one prompt token before its response")
+        proposals = propose_all(drafter, ids, aux, k).numpy()
+        stored = row.get("target_ids")  # the extraction's argmax, when it computed one
+        target_next = np.asarray(stored, np.int64) if stored is not None else greedy_ids(final, lm_head).numpy()
+        out.append(RowCounts(*walk_acceptance(proposals, target_next, start)))
+    return out
+
+
+def stats_from_counts(counts: Sequence[RowCounts], k: int) -> AcceptanceStats:
+    """The acceptance of a set of rows from their counts: drafts and accepted tokens summed, then divided."""
+    drafts = sum(c.drafts for c in counts)
+    accepted = [sum(c.accepted[i] for c in counts) for i in range(k)]
+    total = sum(accepted)
+    return AcceptanceStats(
+        acceptance_length=1.0 + total / max(drafts, 1),
+        per_position=[a / max(drafts, 1) for a in accepted],
+        num_drafts=drafts,
+        num_accepted=total,
+    )
+
+
 def simulate_acceptance(
     drafter: Eagle3Drafter,
     rows: Sequence[dict],
@@ -93,29 +139,4 @@ def simulate_acceptance(
     """Acceptance of `drafter` on rows of the extraction contract whose loss-masked part is the
     target's greedy continuation of the prompt (decoding starts at the last prompt token). The
     target's choices are the rows' ``target_ids`` where present, else ``final_hidden @ lm_head.T``."""
-    drafter = drafter.eval()
-    drafts, accepted = 0, [0] * k
-    for row in rows:
-        # copies: Ray hands out read-only arrays; rows may carry bf16 bits (the extraction's compact format)
-        ids = torch.from_numpy(np.array(row["input_ids"], np.int64))
-        aux = torch.from_numpy(np.array(as_float32(row["aux_hidden"])))
-        final = torch.from_numpy(np.array(as_float32(row["final_hidden"])))
-        mask = np.asarray(row["loss_mask"]).astype(bool)
-        if not mask.any():
-            continue
-        start = int(np.argmax(mask)) - 1  # hidden of the last prompt token
-        if start < 0:
-            raise ValueError("row must have at least one prompt token before its response")
-        proposals = propose_all(drafter, ids, aux, k).numpy()
-        stored = row.get("target_ids")  # the extraction's argmax, when it computed one
-        target_next = np.asarray(stored, np.int64) if stored is not None else greedy_ids(final, lm_head).numpy()
-        d, acc = walk_acceptance(proposals, target_next, start)
-        drafts += d
-        accepted = [a + b for a, b in zip(accepted, acc, strict=True)]
-    total = sum(accepted)
-    return AcceptanceStats(
-        acceptance_length=1.0 + total / max(drafts, 1),
-        per_position=[a / max(drafts, 1) for a in accepted],
-        num_drafts=drafts,
-        num_accepted=total,
-    )
+    return stats_from_counts(row_counts(drafter, rows, lm_head, k), k)

@@ -56,7 +56,11 @@ def full_report() -> dict:
         "throughput": {"samples_per_s": 4.0, "tokens_per_s": 200.0, "series": series},
         "seconds": {"read": 0.1, "generate": 60.0, "extract+train": 30.0, "total": 95.0},
         "training": {"metrics": {"step": 30}, "export_dir": "/out/drafter/export",
-                     "heldout": {"samples": 6, "k": 3, "acceptance_length": 2.1, "per_position": [0.6, 0.35, 0.15]}},
+                     "heldout": {"samples": 6, "k": 3, "acceptance_length": 2.1, "per_position": [0.6, 0.35, 0.15],
+                                 "by_dataset": [{"name": "chat", "samples": 4, "drafts": 40, "acceptance_length": 2.4,
+                                                 "se": 0.1, "per_position": [0.7, 0.45, 0.25], "few": False},
+                                                {"name": "code", "samples": 2, "drafts": 20, "acceptance_length": 1.5,
+                                                 "se": 0.2, "per_position": [0.4, 0.1, 0.0], "few": True}]}},
     }
 
 
@@ -222,6 +226,8 @@ def test_chromium_lays_out_every_figure(tmp_path):
         assert f["marks"] > 0, (fig_id, f)  # bars or lines drawn
         assert f["title"], fig_id
     assert figs["fig-heldout"]["title"].startswith("Held-out acceptance per draft position")
+    assert figs["fig-heldout-datasets"]["title"].startswith("Held-out acceptance per dataset")
+    assert figs["fig-heldout-datasets"]["marks"] == 2  # a bar per dataset
 
     shot = tmp_path / "report.png"
     res = run_chromium(tmp_path, "--window-size=1050,3800", f"--screenshot={shot}", layout.report_html.as_uri())

@@ -319,10 +319,11 @@ def test_export_load_roundtrip(tmp_path, tiny_target, target_parts, tiny_rows):
     with torch.no_grad():
         drafter.fc.weight.normal_()
     out = export_draft(drafter, tmp_path / "export", target_config=target_parts.config)
-    with safe_open(str(out / "model.safetensors"), "pt") as fh:
-        assert set(fh.keys()) == EXPORT_KEYS
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:  # the default drafter is EAGLE-3.1
+        assert set(fh.keys()) == EXPORT_KEYS | {f"fc_norm.{i}.weight" for i in range(3)}
         assert fh.get_tensor("d2t").dtype == torch.int64 and fh.get_tensor("t2d").dtype == torch.bool
     config = json.loads((out / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": AUX_IDS, "use_aux_hidden_state": True}
     assert config["draft_vocab_size"] == 512 and config["vocab_size"] == target_parts.vocab_size
