@@ -95,11 +95,16 @@ def empty_sample(prompt_row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Columns added after shards were first written: a shard from an older version lacks them, and reads as None.
+OPTIONAL_COLUMNS = frozenset({"engine_s"})
+
+
 def read_rows(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
     """The named columns of every parquet shard in a folder (samples/ or quarantine/), in file order.
 
     A file there that is not parquet or lacks a named column raises ``UnreadableFile`` naming it (one line
-    and exit 2 from the CLI), never a traceback, and never skipped: its samples would be made again."""
+    and exit 2 from the CLI), never a traceback, and never skipped: its samples would be made again. Only
+    the ``OPTIONAL_COLUMNS`` a shard of an older version lacks read as None."""
     rows: list[dict[str, Any]] = []
     for f in sorted(Path(folder).glob("*.parquet")):
         rows += _read_shard(f, columns)
@@ -112,10 +117,15 @@ def _read_shard(path: Path, columns: list[str]) -> list[dict[str, Any]]:
     aside = f"move it out of {path.parent} if it does not belong to this run"
     try:
         names = pq.read_schema(path).names
-        missing = [c for c in columns if c not in names]
+        absent = [c for c in columns if c not in names]
+        missing = [c for c in absent if c not in OPTIONAL_COLUMNS]
         if missing:
             raise UnreadableFile(f"{path}: a shard without the columns {missing}; {aside}")
-        return pq.read_table(path, columns=columns).to_pylist()
+        rows = pq.read_table(path, columns=[c for c in columns if c in names]).to_pylist()
+        if absent:
+            for r in rows:
+                r.update(dict.fromkeys(absent))
+        return rows
     except (pa.ArrowException, OSError) as e:
         raise UnreadableFile(f"{path}: not a readable parquet file ({' '.join(str(e).split())}); {aside}") from None
 

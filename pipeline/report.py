@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pipeline.audit import AuditAccumulator, summary_lines
 from pipeline.config import ChecksConfig, DatasetConfig
 from pipeline.console import GenerateSnapshot
+from pipeline.costs import cost_line, cost_table
 from pipeline.layout import RunLayout
 from pipeline.records import read_rows, read_samples
 from pipeline.throughput import record as record_throughput
@@ -99,9 +101,12 @@ class Tally:
                                          self.status["not_generated"], self.tokens, self.cost, now - self.t0)
 
 
-def summarize(tally: Tally, counts: Counter, layout: RunLayout) -> dict[str, Any]:
-    """Figures over everything written for this run (including earlier, resumed attempts)."""
-    samples, dropped = read_samples(layout.samples, ["sample_id", "dataset", "output_ids", "checks_flagged"])
+def summarize(tally: Tally, counts: Counter, layout: RunLayout,
+              prices: Mapping[str, float | None] | None = None) -> dict[str, Any]:
+    """Figures over everything written for this run (including earlier, resumed attempts). ``prices``: dollars
+    per device-hour of each engine source (``pipeline.costs.engine_prices``) for the spend per dataset."""
+    samples, dropped = read_samples(layout.samples, ["sample_id", "dataset", "output_ids", "checks_flagged",
+                                                     "source", "cost", "engine_s"])
     quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage", "reason"])
     passed_ids = {r["sample_id"] for r in samples}
     q_ids = {r["sample_id"] for r in quarantine if r["sample_id"] not in passed_ids}
@@ -123,6 +128,7 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout) -> dict[str, Any
                          "duplicates_skipped": tally.duplicates,
                          "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6)},
         "audit": tally.audit.report(),
+        "costs": cost_table(samples, prices or {}),  # every sample written, resumed attempts included
         "by_dataset": {
             d: {"rows": counts[f"{d}.rows"], "passed": sum(r["dataset"] == d for r in samples),
                 "quarantined": sum(r["dataset"] == d and r["sample_id"] in q_ids for r in quarantine)}
@@ -153,6 +159,20 @@ def ledger_report(ledger: Any) -> dict[str, Any]:
 def _reason_key(reason: str) -> str:
     """The reason's leading words (check name or error kind), for grouping."""
     return reason.split(":", 1)[0][:80]
+
+
+def cost_lines(costs: Any) -> list[str]:
+    """What the samples cost, per dataset (and per source where there are several): billed dollars and engine
+    device-hours, priced where the source has ``gpu_hour_usd``. Nothing for a report without the table."""
+    if not isinstance(costs, dict):
+        return []
+    lines = []
+    for field in ("dataset", "source"):
+        groups = costs.get(f"by_{field}")
+        if isinstance(groups, dict) and groups and (field == "dataset" or len(groups) >= 2):
+            lines.append(f"  cost by {field}: " + " · ".join(cost_line(k, v) for k, v in groups.items()
+                                                             if isinstance(v, dict)))
+    return lines
 
 
 def heldout_groups(h: Any, field: str) -> list[dict[str, Any]]:
@@ -192,6 +212,7 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         "a re-run does them)",
         f"  flagged      {r['flagged']}",
         f"  tokens generated {r['tokens_generated']}, spend ${r['this_attempt']['cost_usd']:.4f}",
+        *cost_lines(r.get("costs")),
         f"  throughput   { {k: v for k, v in r['throughput'].items() if k != 'series'} }",
         f"  seconds      {r['seconds']}",
     ]

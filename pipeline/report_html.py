@@ -517,6 +517,20 @@ def _spend_table(report: dict[str, Any]) -> str:
                   rows) if rows else "<p class=muted>No spending sources.</p>"
 
 
+def _cost_table(report: dict[str, Any]) -> str:
+    """What the samples cost per dataset and per source: API dollars billed and engine device-hours."""
+    costs = report.get("costs") if isinstance(report.get("costs"), dict) else {}
+    rows = []
+    for field in ("dataset", "source"):
+        groups = costs.get(f"by_{field}")
+        for name, c in (groups.items() if isinstance(groups, dict) else []):
+            if isinstance(c, dict):
+                rows.append([field, name, c.get("samples"), c.get("output_tokens"), c.get("billed_usd"),
+                             c.get("device_hours"), c.get("engine_usd"), c.get("usd"), c.get("usd_per_mtok")])
+    return _table(["by", "name", "samples", "output tokens", "API billed $", "device-hours", "engine $", "total $",
+                   "$ per M output tokens"], rows) if rows else ""
+
+
 def _checks_table(report: dict[str, Any]) -> str:
     checks = (report.get("audit") or {}).get("checks") or {}
     rows = [[name, c.get("mode"), c.get("checked"), c.get("failed"), c.get("flagged")] for name, c in checks.items()]
@@ -571,7 +585,7 @@ def render_report_html(report: dict[str, Any], metrics_rows: list[dict[str, Any]
         + "<h2>Data</h2><div class=grid2>" + quarantine_figure(report) + sources_figure(report) + "</div>"
         + _datasets_table(report) + _sources_table(report)
         + "<h2>Throughput</h2>" + throughput_figures(report) + seconds_figure(report)
-        + "<h2>Billing</h2>" + billing_figures(report) + _spend_table(report)
+        + "<h2>Billing</h2>" + billing_figures(report) + _spend_table(report) + _cost_table(report)
         + "<h2>Checks</h2>" + _checks_table(report)
         + "<h2>Drafter training</h2><div class=grid2>" + training_figures(rows) + "</div>"
         + "<h2>Held-out acceptance</h2><div class=grid2>" + heldout_figure(report)

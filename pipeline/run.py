@@ -30,6 +30,7 @@ from pipeline.console import (
     header_lines,
     read_spend,
 )
+from pipeline.costs import engine_prices
 from pipeline.datasets import load_dataset
 from pipeline.handoff import extract_and_train
 from pipeline.layout import RunLayout, atomic_write_json, atomic_write_table
@@ -119,7 +120,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
         unsubscribe()
     timings.add("generate", t0)
 
-    report: dict[str, Any] = summarize(tally, counts, layout)
+    report: dict[str, Any] = summarize(tally, counts, layout, engine_prices(cfg.sources))
     assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
     report["spend"] = {name: ledger_report(ledger) | {"held_by_killed_requests": held[name]}
                        for name, ledger in ledgers.items()}

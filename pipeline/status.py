@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.costs import cost_table, engine_prices
 from pipeline.datasets import load_dataset
 from pipeline.layout import RunLayout
 from pipeline.records import read_rows, read_samples
-from pipeline.report import heldout_breakdown_lines
+from pipeline.report import cost_lines, heldout_breakdown_lines
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
@@ -146,7 +147,7 @@ def collect_status(cfg: RunConfig) -> dict[str, Any]:
     out = Path(cfg.output_dir)
     layout = RunLayout(out)
     samples, dropped = read_samples(layout.samples, ["sample_id", "dataset", "source", "billed_completion_tokens",
-                                                     "cost"])
+                                                     "cost", "engine_s"])
     quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage"])
     datasets = dataset_status(cfg, samples, quarantine)
     return {
@@ -156,6 +157,7 @@ def collect_status(cfg: RunConfig) -> dict[str, Any]:
         "samples_by_source": dict(Counter(r["source"] for r in samples)),
         "duplicates_in_shards": dropped,
         "spend": spend_status(cfg, out, samples),
+        "costs": cost_table(samples, engine_prices(cfg.sources)),  # dollars and device-hours per dataset
         "manifest": manifest_status(cfg, out),
         "training": training_status(cfg, out),
     }
@@ -192,6 +194,7 @@ def format_status(s: dict[str, Any]) -> str:
             if v["held_by_killed_requests"]:
                 lines.append(f"    {'':<16} {v['held_by_killed_requests']} tokens held by requests in flight when "
                              "an attempt was killed (they may have been billed)")
+    lines += cost_lines(s.get("costs"))
     m = s["manifest"]
     if m["differences"]:
         lines.append("  manifest differs from the config (a re-run would refuse):")

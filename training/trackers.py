@@ -117,6 +117,15 @@ def report_scalars(report: dict[str, Any]) -> dict[str, float]:
     put("heldout/samples", held.get("samples"))
     for k, v in enumerate(held.get("per_position") or []):
         put(f"heldout/acceptance/position_{k}", v)
+    for field in ("dataset", "source"):
+        for g in held.get(f"by_{field}") or []:
+            if isinstance(g, dict):
+                put(f"heldout/by_{field}/{g.get('name')}/acceptance_length", g.get("acceptance_length"))
+    costs = report.get("costs") if isinstance(report.get("costs"), dict) else {}
+    for name, c in (costs.get("by_dataset") or {}).items():
+        if isinstance(c, dict):
+            put(f"data/cost_usd_per_dataset/{name}", c.get("usd"))
+            put(f"data/device_hours_per_dataset/{name}", c.get("device_hours"))
     served = (report.get("training") or {}).get("served") or {}
     put("served/acceptance_length", served.get("acceptance_length"))
     for k, v in enumerate(served.get("per_position") or []):

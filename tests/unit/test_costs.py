@@ -71,3 +71,52 @@ def test_engine_prices_and_cost_lines():
     assert cost_line("math", cost_table(ROWS[3:], {})["by_dataset"]["math"]) == (
         "math: 0.1000 device-h = $0.0000, 1 samples")
     assert cost_line("none", cost_table([], {})["total"]) == "none: nothing spent = $0.0000, 0 samples"
+
+
+def _shard(path, rows, schema=None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+def test_a_shard_from_before_engine_time_reads_as_unknown_and_other_gaps_still_refuse(tmp_path):
+    from pipeline.config import UnreadableFile
+    from pipeline.records import read_rows
+
+    _shard(tmp_path / "samples" / "a.parquet", [{"sample_id": "x", "dataset": "d", "cost": 0.5}])
+    assert read_rows(tmp_path / "samples", ["sample_id", "cost", "engine_s"]) == [
+        {"sample_id": "x", "cost": 0.5, "engine_s": None}]
+    with pytest.raises(UnreadableFile, match="without the columns \\['source'\\]"):
+        read_rows(tmp_path / "samples", ["sample_id", "source", "engine_s"])
+
+
+def test_status_and_report_give_spend_per_dataset_priced_by_the_source(repo_root, tmp_path):
+    from pipeline.config import load_config
+    from pipeline.layout import RunLayout
+    from pipeline.records import SAMPLE_SCHEMA, empty_sample
+    from pipeline.report import cost_lines
+    from pipeline.status import collect_status, format_status
+
+    cfg = load_config(repo_root / "configs" / "tiny_formats.yaml", base_dir=repo_root, check_paths=False)
+    cfg.output_dir = str(tmp_path / "out")
+    (tmp_path / "model").mkdir()
+    cfg.model.path = str(tmp_path / "model")
+    cfg.sources[0].gpu_hour_usd = 3.0
+    rows = []
+    for i, (d, secs) in enumerate([("chat", 1200.0), ("chat", 600.0), ("math", 1800.0)]):
+        r = empty_sample({"sample_id": f"{d}:{i}", "dataset": d, "row_index": i, "messages": "[]", "thinking": False,
+                          "prompt_ids": [1, 2], "prompt_assistant_mask": [0, 0]})
+        rows.append({**r, "source": "vllm-cpu", "output_ids": [5, 6, 7], "engine_s": secs})
+    _shard(RunLayout(cfg.output_dir).samples / "s.parquet", rows, SAMPLE_SCHEMA)
+    s = collect_status(cfg)
+    assert s["costs"]["by_dataset"]["chat"]["device_hours"] == pytest.approx(0.5)
+    assert s["costs"]["by_dataset"]["chat"]["usd"] == pytest.approx(1.5)
+    assert s["costs"]["by_dataset"]["math"]["usd"] == pytest.approx(1.5)
+    text = format_status(s)
+    assert "cost by dataset: chat: 0.5000 device-h ($1.5000) = $1.5000, 2 samples" in text
+    assert "cost by source" not in text  # one source: the dataset line says it all
+    two = {"by_dataset": s["costs"]["by_dataset"], "by_source": {"a": s["costs"]["total"], "b": s["costs"]["total"]}}
+    assert [line.split(":")[0] for line in cost_lines(two)] == ["  cost by dataset", "  cost by source"]
+    assert cost_lines(None) == [] and cost_lines({"by_dataset": "junk"}) == []

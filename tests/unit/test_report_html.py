@@ -109,6 +109,20 @@ def test_the_heldout_figure_sets_the_served_figure_beside_the_simulated_one():
     assert "served by vLLM 2.000" in fig.find(f"{NS}title").text
 
 
+def test_the_billing_section_tables_spend_per_dataset_and_source():
+    from pipeline.costs import cost_table
+
+    report = full_report()
+    rows = [{"dataset": "chat", "source": "api", "cost": 0.25, "output_ids": [1, 2]},
+            {"dataset": "code", "source": "vllm", "engine_s": 7200.0, "output_ids": [1]}]
+    report["costs"] = cost_table(rows, {"vllm": 2.5})
+    page = render_report_html(report, [])
+    assert "<th>device-hours</th>" in page and "<th>API billed $</th>" in page
+    assert "<td>dataset</td><td>code</td><td>1</td><td>1</td><td>0</td><td>2</td><td>5</td><td>5</td>" in page
+    assert "<td>source</td><td>api</td><td>1</td><td>2</td><td>0.25</td>" in page
+    assert "device-hours" not in render_report_html(full_report(), [])  # an older report: no table, no error
+
+
 def test_an_empty_or_partial_report_still_draws_every_figure_with_a_reason():
     for report in ({}, {"training": {"skipped": "training is off"}, "throughput": {"series": [{"t": 1.0}]}}):
         page = render_report_html(report, [])

@@ -106,8 +106,11 @@ REPORT = {
     "audit": {"billing": {"mean_abs_diff": 0.5}},
     "throughput": {"samples_per_s": 1.5, "tokens_per_s": 80.0, "series": [{"t": 1.0}]},
     "seconds": {"generate": 9.0, "extract+train": 3.0},
+    "costs": {"by_dataset": {"chat": {"usd": 0.2, "device_hours": 0.0}, "code": {"usd": 1.05, "device_hours": 0.5}}},
     "training": {"metrics": {"step": 12}, "heldout": {"samples": 4, "k": 2, "acceptance_length": 1.5,
-                                                      "per_position": [0.4, 0.1]},
+                                                      "per_position": [0.4, 0.1],
+                                                      "by_dataset": [{"name": "chat", "acceptance_length": 1.7},
+                                                                     {"name": "code", "acceptance_length": 1.2}]},
                  "served": {"k": 2, "acceptance_length": 1.45, "per_position": [0.35, 0.1], "drafts": 20}},
 }
 
@@ -123,6 +126,8 @@ def test_report_scalars_carry_the_data_side():
     assert s["served/acceptance/position_0"] == 0.35 and s["served/acceptance_length"] == 1.45
     assert s["throughput/samples_per_s"] == 1.5 and "throughput/series" not in s
     assert s["seconds/extract_train"] == 3.0
+    assert s["heldout/by_dataset/code/acceptance_length"] == 1.2 and "heldout/by_source/chat/acceptance_length" not in s
+    assert s["data/cost_usd_per_dataset/code"] == 1.05 and s["data/device_hours_per_dataset/code"] == 0.5
 
 
 def test_run_summary_lands_in_tensorboard_at_the_last_step(tmp_path):
