@@ -48,7 +48,7 @@ class DraftTrainConfig(BaseModel):
         False, description="also weight each position's loss at TTT step k by the (detached) product of its "
         "acceptance probabilities at steps < k, the chance the draft chain reaches step k")
     # EAGLE-3.1 (fc_norm + norm_output) is the default by measurement: +0.27 served acceptance at k=5 over plain
-    # EAGLE-3 at 100 steps and +X at 1,000 on the reasoning target, 3 seeds each (bench/RESULTS.md, "Drafter
+    # EAGLE-3 at 100 steps and +0.10 at 1,000 on the reasoning target, 3 seeds each (bench/RESULTS.md, "Drafter
     # choices"). Both false is plain EAGLE-3, for an engine that does not read the flags.
     fc_norm: bool = Field(True, description="EAGLE-3.1: an RMSNorm on each aux hidden state before `fc` (vLLM "
                           "`fc_norm`, weights `fc_norm.{i}.weight`)")
