@@ -143,7 +143,7 @@ def heldout_line(result: Mapping[str, Any], elapsed_s: float) -> str:
     by = result.get("by_dataset")
     groups = [g for g in by if isinstance(g, Mapping)] if isinstance(by, list) else []
     sure = [g for g in groups if isinstance(g.get("acceptance_length"), int | float) and not g.get("few")]
-    weakest = min(sure, key=lambda g: g["acceptance_length"]) if len(groups) >= 2 and sure else None
+    weakest = min(sure, key=lambda g: g["acceptance_length"]) if len(sure) >= 2 else None  # of two or more
     weak = f" (weakest dataset {weakest.get('name')} {weakest['acceptance_length']:.2f})" if weakest else ""
     return (f"[held-out] acceptance length {result['acceptance_length']:.3f} at k={result['k']} on "
             f"{result['samples']} samples never trained on{weak}, done in {duration(elapsed_s)}")

@@ -216,6 +216,9 @@ def test_the_console_line_stays_one_line_and_names_the_weakest_sure_dataset():
     assert "weakest" not in heldout_line(ONE, 3.0)
     few = heldout([group("a", 1.2, 0.3, 10), group("b", 2.5, 0.1, 200), group("c", 2.4, 0.1, 200)], [])
     assert "(weakest dataset c 2.40)" in heldout_line(few, 3.0)  # `a` has too few drafts to call it weakest
+    # one sure dataset beside a few-drafts one (the quick start: shop and a small shop_plain): nothing to rank
+    lone = heldout([group("a", 1.2, 0.3, 10), group("b", 2.5, 0.1, 200)], [])
+    assert "weakest" not in heldout_line(lone, 3.0)
 
 
 @pytest.fixture
