@@ -90,3 +90,21 @@ def cost_line(name: str, c: Mapping[str, Any]) -> str:
     what = " + ".join(parts) or "nothing spent"
     per_k = f", ${c['usd_per_sample'] * 1000:.2f}/1k samples" if c.get("usd") else ""
     return f"{name}: {what} = ${c.get('usd', 0.0):.4f}, {c.get('samples', 0)} samples{per_k}"
+
+
+def cost_groups(costs: Any, field: str) -> dict[str, dict[str, Any]]:
+    """The well-formed entries of a cost table's ``by_<field>`` (a report.json may be old or edited by hand:
+    anything else is left out, never raised on)."""
+    groups = costs.get(f"by_{field}") if isinstance(costs, dict) else None
+    return {str(k): v for k, v in groups.items() if isinstance(v, dict)} if isinstance(groups, dict) else {}
+
+
+def cost_lines(costs: Any) -> list[str]:
+    """What the samples cost, per dataset (and per source where there are several): billed dollars and engine
+    device-hours, priced where the source has ``gpu_hour_usd``. Nothing for a report without the table."""
+    lines = []
+    for field in ("dataset", "source"):
+        groups = cost_groups(costs, field)
+        if groups and (field == "dataset" or len(groups) >= 2):
+            lines.append(f"  cost by {field}: " + " · ".join(cost_line(k, v) for k, v in groups.items()))
+    return lines

@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.audit import AuditAccumulator, summary_lines
 from pipeline.config import ChecksConfig, DatasetConfig
 from pipeline.console import GenerateSnapshot
-from pipeline.costs import cost_line, cost_table
+from pipeline.costs import cost_lines, cost_table
 from pipeline.layout import RunLayout
 from pipeline.records import read_rows, read_samples
 from pipeline.throughput import record as record_throughput
@@ -159,20 +159,6 @@ def ledger_report(ledger: Any) -> dict[str, Any]:
 def _reason_key(reason: str) -> str:
     """The reason's leading words (check name or error kind), for grouping."""
     return reason.split(":", 1)[0][:80]
-
-
-def cost_lines(costs: Any) -> list[str]:
-    """What the samples cost, per dataset (and per source where there are several): billed dollars and engine
-    device-hours, priced where the source has ``gpu_hour_usd``. Nothing for a report without the table."""
-    if not isinstance(costs, dict):
-        return []
-    lines = []
-    for field in ("dataset", "source"):
-        groups = costs.get(f"by_{field}")
-        if isinstance(groups, dict) and groups and (field == "dataset" or len(groups) >= 2):
-            lines.append(f"  cost by {field}: " + " · ".join(cost_line(k, v) for k, v in groups.items()
-                                                             if isinstance(v, dict)))
-    return lines
 
 
 def heldout_groups(h: Any, field: str) -> list[dict[str, Any]]:

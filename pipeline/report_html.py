@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.audit_html import histogram_bins
+from pipeline.costs import cost_groups
 from pipeline.layout import RunLayout, atomic_write
 from pipeline.throughput import windowed_rates
 
@@ -519,14 +520,9 @@ def _spend_table(report: dict[str, Any]) -> str:
 
 def _cost_table(report: dict[str, Any]) -> str:
     """What the samples cost per dataset and per source: API dollars billed and engine device-hours."""
-    costs = report.get("costs") if isinstance(report.get("costs"), dict) else {}
-    rows = []
-    for field in ("dataset", "source"):
-        groups = costs.get(f"by_{field}")
-        for name, c in (groups.items() if isinstance(groups, dict) else []):
-            if isinstance(c, dict):
-                rows.append([field, name, c.get("samples"), c.get("output_tokens"), c.get("billed_usd"),
-                             c.get("device_hours"), c.get("engine_usd"), c.get("usd"), c.get("usd_per_mtok")])
+    rows = [[field, name, c.get("samples"), c.get("output_tokens"), c.get("billed_usd"), c.get("device_hours"),
+             c.get("engine_usd"), c.get("usd"), c.get("usd_per_mtok")]
+            for field in ("dataset", "source") for name, c in cost_groups(report.get("costs"), field).items()]
     return _table(["by", "name", "samples", "output tokens", "API billed $", "device-hours", "engine $", "total $",
                    "$ per M output tokens"], rows) if rows else ""
 

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
-from pipeline.costs import cost_table, engine_prices
+from pipeline.costs import cost_lines, cost_table, engine_prices
 from pipeline.datasets import load_dataset
 from pipeline.layout import RunLayout
 from pipeline.records import read_rows, read_samples
-from pipeline.report import cost_lines, heldout_breakdown_lines
+from pipeline.report import heldout_breakdown_lines
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
