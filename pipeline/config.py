@@ -258,6 +258,33 @@ class RayConfig(Strict):
     placement_timeout_s: float = Field(60.0, ge=0)
 
 
+class PoolConfig(Strict):
+    """One CPU stage's autoscaling actor pool: Ray Data grows it from ``min_actors`` to ``max_actors`` while
+    its input queue is backed up, and spreads the actors over the cluster's CPU nodes."""
+
+    min_actors: int = Field(1, gt=0)
+    # None: follows the sources (pipeline.stages.pool_bounds): render and validate keep up with the most
+    # actors the sources may run, capped by the cluster's CPUs.
+    max_actors: int | None = Field(None, gt=0)
+    num_cpus: float = Field(0.25, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolConfig:
+        if self.max_actors is not None and self.max_actors < self.min_actors:
+            raise ValueError(f"max_actors ({self.max_actors}) is below min_actors ({self.min_actors})")
+        return self
+
+
+class StagesConfig(Strict):
+    """The CPU stages around the sources. The shard writer stays one actor per pass: its memory of what it
+    wrote is what keeps a re-executed batch from being written twice."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)  # ``validate`` would shadow BaseModel's
+
+    render: PoolConfig = Field(default_factory=PoolConfig)
+    validate_: PoolConfig = Field(default_factory=PoolConfig, alias="validate")
+
+
 class ProviderPreferences(Strict):
     """OpenRouter's ``provider`` routing object, passed through as is (unknown keys are rejected there too)."""
 
@@ -572,6 +599,7 @@ class RunConfig(Strict):
     extraction: ExtractionConfig = Field(default_factory=ExtractionConfig)
     training: DraftTrainConfig | None = Field(default_factory=DraftTrainConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    stages: StagesConfig = Field(default_factory=StagesConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

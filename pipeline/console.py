@@ -214,23 +214,6 @@ def header_lines(title: str, datasets: Sequence[tuple[str, int]], sources: Seque
 # ----------------------------------------------------------------------------- what the phases watch
 
 
-def read_spend(layout: Any, sources: Sequence[Any]) -> dict[str, dict[str, tuple[int, int | None]]]:
-    """Per spending source, tokens committed per dataset (its ledger journal, which the ledger rewrites on every
-    change) against that dataset's budget."""
-    out: dict[str, dict[str, tuple[int, int | None]]] = {}
-    for src in sources:
-        path = layout.ledger(src.name)
-        try:
-            committed = {k: int(v) for k, v in json.loads(path.read_text()).items()}
-        except (OSError, ValueError):
-            committed = {}
-        budgets = dict(getattr(src, "budgets", None) or {})
-        default = getattr(src, "default_budget", None)
-        names = sorted(set(budgets) | set(committed))
-        out[src.name] = {d: (committed.get(d, 0), budgets.get(d, default)) for d in names}
-    return out
-
-
 def last_json_line(path: Path) -> dict[str, Any] | None:
     """The last complete JSON line of a file that another process appends to (None when there is none yet)."""
     try:

@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pipeline.config import EngineSourceConfig
+
 COST_COLUMNS = ["sample_id", "dataset", "source", "output_ids", "cost", "engine_s"]
 
 
@@ -26,7 +28,7 @@ def _num(value: Any) -> float:
 
 def engine_prices(sources: Iterable[Any]) -> dict[str, float | None]:
     """Source name -> dollars per device-hour (None where unpriced) for every local engine source."""
-    return {s.name: getattr(s, "gpu_hour_usd", None) for s in sources if getattr(s, "kind", "") != "openrouter"}
+    return {s.name: s.gpu_hour_usd for s in sources if isinstance(s, EngineSourceConfig)}
 
 
 def sample_usd(row: Mapping[str, Any], prices: Mapping[str, float | None]) -> float:

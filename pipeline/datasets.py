@@ -274,6 +274,8 @@ def sample_id(dataset: str, row_index: int, prompt: Prompt) -> str:
 
 
 _JSON_TYPES = {dict: "an object", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+_JSON_OPENERS = {"{": "an object", '"': "a string", "t": "a boolean", "f": "a boolean", "n": "null"}
+_CHUNK = 1 << 20  # bytes a JSONL file is read in: memory is a chunk and one line, whatever the file's size
 
 
 def _check_file(path: Path) -> None:
@@ -284,30 +286,44 @@ def _check_file(path: Path) -> None:
         raise DatasetError(f"{path}: file not found")
 
 
+def _unreadable(path: Path, e: OSError) -> DatasetError:
+    return DatasetError(f"{path}: cannot be read: {e.strerror or e}")
+
+
 def _read_bytes(path: Path) -> bytes:
     _check_file(path)
     try:
         return path.read_bytes()
     except OSError as e:
-        raise DatasetError(f"{path}: cannot be read: {e.strerror or e}") from None
+        raise _unreadable(path, e) from None
 
 
-def _parquet_rows(path: Path) -> list[Any]:
+def _not_parquet(path: Path, e: Exception) -> DatasetError:
+    why = re.sub(r"^Could not open Parquet input source '[^']*': ", "", str(e)).strip()
+    return DatasetError(f"{path}: not a valid Parquet file: {why}")
+
+
+def _parquet_rows(path: Path) -> Iterator[Any]:
+    """Row group by row group (pyarrow batches), so a large file is never one table in memory."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     _check_file(path)
     try:
-        return pq.read_table(path).to_pylist()
+        with pq.ParquetFile(path) as f:
+            for batch in f.iter_batches():
+                yield from batch.to_pylist()
     except PermissionError as e:
-        raise DatasetError(f"{path}: cannot be read: {e.strerror or e}") from None
+        raise _unreadable(path, e) from None
     except (pa.ArrowException, OSError) as e:  # a corrupt footer is ArrowInvalid, corrupt metadata an OSError
-        why = re.sub(r"^Could not open Parquet input source '[^']*': ", "", str(e)).strip()
-        raise DatasetError(f"{path}: not a valid Parquet file: {why}") from None
+        raise _not_parquet(path, e) from None
 
 
-def _json_rows(path: Path, data: bytes) -> list[Any]:
-    """The rows of a .json file, which holds one list; a whitespace-only file is empty, not broken."""
+def _json_rows(path: Path, data: bytes, keep: bool = True) -> list[Any]:
+    """The rows of a .json file, which holds one list; a whitespace-only file is empty, not broken.
+
+    ``keep=False`` checks the file the same way (same errors, same row count) but keeps no row: every JSON
+    object parses to None as soon as it is read (``count_rows`` and ``check_dataset`` hold no rows)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -316,12 +332,14 @@ def _json_rows(path: Path, data: bytes) -> list[Any]:
     if not text.strip():
         return []
     try:
-        rows = json.loads(text)
+        rows = json.loads(text) if keep else json.loads(text, object_pairs_hook=lambda _: None)
     except json.JSONDecodeError as e:
         hint = "; one JSON value per line? name the file .jsonl" if e.msg == "Extra data" else ""
         raise DatasetError(f"{path}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno}{hint})") from None
     if not isinstance(rows, list):
         found = _JSON_TYPES.get(type(rows), "null")
+        if not keep:  # an object read as None: its first character says what it was
+            found = _JSON_OPENERS.get(text.lstrip()[0], found)
         raise DatasetError(f"{path}: a .json dataset must hold a list of rows, found {found}")
     return rows
 
@@ -332,10 +350,37 @@ def _bad_line(reason: str, line: bytes) -> RowError:
     return err
 
 
-def _jsonl_rows(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
+def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """The lines of the concatenated chunks exactly as ``bytes.splitlines`` gives them (\\n, \\r\\n and \\r),
+    holding one chunk and one line: a piece without its end, or ending in \\r (a \\n may open the next chunk),
+    waits for the next chunk."""
+    carry = b""
+    for chunk in chunks:
+        pieces = (carry + chunk).splitlines(keepends=True)
+        carry = pieces.pop() if pieces and (pieces[-1].endswith(b"\r") or not pieces[-1].endswith(b"\n")) else b""
+        for piece in pieces:
+            yield piece[:-2] if piece.endswith(b"\r\n") else piece[:-1]
+    yield from carry.splitlines()
+
+
+def _file_chunks(path: Path, size: int = _CHUNK) -> Iterator[bytes]:
+    """The file's bytes in chunks, a leading UTF-8 BOM dropped (editors on Windows write one; json.loads
+    refuses it)."""
+    _check_file(path)
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(codecs.BOM_UTF8))
+            yield head.removeprefix(codecs.BOM_UTF8)
+            while chunk := f.read(size):
+                yield chunk
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _jsonl_rows(path: Path, lines: Iterator[bytes]) -> Iterator[tuple[int, Any]]:
     """Decoded line by line, so one line that is not UTF-8 or not JSON is one quarantined row, not a failed run."""
     index = 0
-    for lineno, line in enumerate(data.splitlines(), 1):  # \n, \r\n and \r, as text mode splits
+    for lineno, line in enumerate(lines, 1):  # \n, \r\n and \r, as text mode splits
         where = f"{path.name} line {lineno}"
         try:
             text = line.decode("utf-8")
@@ -355,45 +400,125 @@ def _jsonl_rows(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
 def read_raw_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(row index, row) pairs; a JSONL line that is not UTF-8 or not JSON yields a RowError in place of the row.
 
-    A file that cannot be read as a whole (a folder, missing, not valid JSON or Parquet) raises DatasetError.
+    Streamed: a JSONL file is read a chunk at a time and a Parquet file a row group at a time (a .json file
+    holds one list, read whole). A file that cannot be read as a whole (a folder, missing, not valid JSON or
+    Parquet) raises DatasetError, when the iteration reaches it.
     """
     path = Path(path)
     if path.suffix == ".parquet":
         yield from enumerate(_parquet_rows(path))
-        return
-    data = _read_bytes(path).removeprefix(codecs.BOM_UTF8)  # editors on Windows write one; json.loads refuses it
-    if path.suffix == ".json":
-        yield from enumerate(_json_rows(path, data))
-        return
-    yield from _jsonl_rows(path, data)
+    elif path.suffix == ".json":
+        yield from enumerate(_json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8)))
+    else:
+        yield from _jsonl_rows(path, _split_lines(_file_chunks(path)))
 
 
-def load_dataset(cfg: DatasetConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(prompt rows, quarantine rows) for one configured dataset."""
-    prompts, bad = [], []
+def warn_empty(cfg: DatasetConfig) -> None:
+    """The warning for a dataset file without rows (legal, but the user should know)."""
+    log.warning("dataset %r: %s holds no rows; nothing to generate from it", cfg.name, cfg.path)
+
+
+def _bad_row(cfg: DatasetConfig, index: int, raw: Any, e: RowError) -> dict[str, Any]:
+    if isinstance(raw, RowError):  # keep the offending line, not the error
+        raw = raw.raw
+    digest = hashlib.sha256(json.dumps(raw, default=str, sort_keys=True).encode()).hexdigest()[:12]
+    return {
+        "sample_id": f"{cfg.name}:{index}:{digest}", "dataset": cfg.name, "row_index": index,
+        "stage": "read", "reason": f"malformed row: {e}",
+        "raw": json.dumps(raw, default=str, ensure_ascii=False)[:4000],
+    }
+
+
+def iter_dataset(cfg: DatasetConfig, warn: bool = True) -> Iterator[tuple[bool, dict[str, Any]]]:
+    """``(True, prompt row)`` or ``(False, quarantine row)`` per input row, in file order, streamed (no row is
+    held after it is yielded); reading stops at ``max_rows``. The ids are a function of the dataset's name,
+    the row's index and its content only, so any process reading the file assigns the same ones.
+
+    ``warn``: log ``warn_empty`` for a file without rows (a caller that reports elsewhere passes False).
+    """
+    n = 0
     for index, raw in read_raw_rows(cfg.path):
         if cfg.max_rows is not None and index >= cfg.max_rows:
             break
+        n += 1
         try:
             if isinstance(raw, RowError):
                 raise raw
             p = parse_row(raw, cfg.format, cfg.columns)
         except RowError as e:
-            if isinstance(raw, RowError):  # keep the offending line, not the error
-                raw = raw.raw
-            digest = hashlib.sha256(json.dumps(raw, default=str, sort_keys=True).encode()).hexdigest()[:12]
-            bad.append({
-                "sample_id": f"{cfg.name}:{index}:{digest}", "dataset": cfg.name, "row_index": index,
-                "stage": "read", "reason": f"malformed row: {e}",
-                "raw": json.dumps(raw, default=str, ensure_ascii=False)[:4000],
-            })
+            yield False, _bad_row(cfg, index, raw, e)
             continue
-        prompts.append({
+        yield True, {
             "sample_id": sample_id(cfg.name, index, p), "dataset": cfg.name, "row_index": index,
             "messages": json.dumps(p.messages, ensure_ascii=False),
             "tools": json.dumps(p.tools, ensure_ascii=False) if p.tools else "",
             "thinking": cfg.thinking,
-        })
-    if not prompts and not bad:  # max_rows > 0, so only a file without rows gets here: legal, but say so
-        log.warning("dataset %r: %s holds no rows; nothing to generate from it", cfg.name, cfg.path)
+        }
+    if not n and warn:  # max_rows > 0, so only a file without rows gets here
+        warn_empty(cfg)
+
+
+def load_dataset(cfg: DatasetConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(prompt rows, quarantine rows) for one configured dataset: ``iter_dataset`` collected."""
+    prompts: list[dict[str, Any]] = []
+    bad: list[dict[str, Any]] = []
+    for ok, row in iter_dataset(cfg):
+        (prompts if ok else bad).append(row)
     return prompts, bad
+
+
+def _parquet_footer_rows(path: Path) -> int:
+    """The row count a Parquet file's footer records; its errors are the reader's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _check_file(path)
+    try:
+        with pq.ParquetFile(path) as f:
+            return f.metadata.num_rows
+    except PermissionError as e:
+        raise _unreadable(path, e) from None
+    except (pa.ArrowException, OSError) as e:
+        raise _not_parquet(path, e) from None
+
+
+def check_dataset(cfg: DatasetConfig) -> None:
+    """Raise the DatasetError reading the file would raise, cheaply and holding no row: a folder or a missing
+    file, a JSONL file that cannot be opened, a Parquet footer that does not read, a .json file that is not
+    one valid JSON list. A driver calls it before Ray starts; the readers in the workers raise the same
+    errors, so they only meet what changed since (or a Parquet file corrupt past its footer)."""
+    path = Path(cfg.path)
+    if path.suffix == ".parquet":
+        _parquet_footer_rows(path)
+    elif path.suffix == ".json":
+        _json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8), keep=False)
+    else:
+        _check_file(path)
+        try:
+            path.open("rb").close()
+        except OSError as e:
+            raise _unreadable(path, e) from None
+
+
+def count_rows(cfg: DatasetConfig) -> int:
+    """How many rows ``iter_dataset`` yields (prompt and malformed rows alike), parsing none where the file
+    says (a Parquet footer) and holding none; logs ``warn_empty`` as ``load_dataset`` does."""
+    path = Path(cfg.path)
+    cap = cfg.max_rows if cfg.max_rows is not None else float("inf")
+    if path.suffix == ".parquet":
+        n = _parquet_footer_rows(path)
+    elif path.suffix == ".json":
+        n = len(_json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8), keep=False))
+    else:
+        n = 0
+        for line in _split_lines(_file_chunks(path)):
+            if n >= cap:
+                break
+            try:
+                n += bool(line.decode("utf-8").strip())
+            except UnicodeDecodeError:
+                n += 1  # a line that is not UTF-8 is a (malformed) row
+    n = int(min(n, cap))
+    if not n:
+        warn_empty(cfg)
+    return n

@@ -555,8 +555,8 @@ class HiddenStateExtractor:
 
     def _quarantine(self, bad: list[tuple[dict[str, Any], str]]) -> None:
         from pipeline.flight import rows_to_table
+        from pipeline.layout import shard_name
         from pipeline.records import QUARANTINE_SCHEMA, quarantine_row
-        from pipeline.stages import shard_name
 
         q = [quarantine_row(r, "extract", reason) for r, reason in bad]
         self.quarantine_dir.mkdir(parents=True, exist_ok=True)

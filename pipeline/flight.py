@@ -36,6 +36,16 @@ FLIGHT_SCHEMA = pa.schema([
     pa.field("failure_class", pa.string()),  # why a row is not ok: transient | sample | account | budget
 ])
 
+# What the writer hands back to the driver per row: the small columns it tallies (counts, audit figures,
+# spend), never the ids or texts. ``output_tokens`` is len(output_ids), null where nothing was generated.
+TALLY_SCHEMA = pa.schema([
+    *(FLIGHT_SCHEMA.field(name) for name in (
+        "sample_id", "dataset", "source", "provider", "ids_from", "status", "stage", "reason", "failure_class",
+        "spilled_from", "start_error_source", "start_error", "attempts", "billed_completion_tokens", "cost",
+        "checks_ran", "checks_failed", "checks_flagged", "check_details")),
+    pa.field("output_tokens", pa.int64()),
+])
+
 
 class NextSource(Protocol):
     """What a stage needs of the router to hand on a row it cannot serve."""
@@ -57,6 +67,19 @@ def _py(value: Any) -> Any:
 
 def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema = FLIGHT_SCHEMA) -> pa.Table:
     return pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
+
+
+def tally_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """The driver's view of finished rows (``TALLY_SCHEMA``)."""
+    counted = [{**r, "output_tokens": None if r.get("output_ids") is None else len(r["output_ids"])} for r in rows]
+    return rows_to_table(counted, TALLY_SCHEMA)
+
+
+def output_len(row: dict[str, Any]) -> int | None:
+    """Generated tokens of a sample row (``output_ids``) or of a tally row (``output_tokens``)."""
+    if "output_ids" in row:
+        return None if row["output_ids"] is None else len(row["output_ids"])
+    return row.get("output_tokens")
 
 
 def mark(row: dict[str, Any], status: Status, stage: str, reason: str) -> dict[str, Any]:

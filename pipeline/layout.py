@@ -10,6 +10,7 @@ disk or a kill mid-write leaves the old file in place).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
@@ -88,6 +89,11 @@ class RunLayout:
         return self.root / "manifest.json"
 
     @property
+    def source_identities(self) -> Path:
+        """Every identity (model, endpoint, budget scope) each spending source name has had in this folder."""
+        return self.root / "sources.json"
+
+    @property
     def lock(self) -> Path:
         return self.root / "run.lock"
 
@@ -99,6 +105,12 @@ class RunLayout:
     def ledger(self, source: str) -> Path:
         """An API source's budget journal."""
         return self.root / f"ledger-{file_part(source)}.json"
+
+
+def shard_name(sample_ids: list[str]) -> str:
+    """Content-addressed: a retried batch rewrites the same file instead of adding a copy."""
+    digest = hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()[:20]
+    return f"part-{digest}.parquet"
 
 
 def file_part(name: str) -> str:

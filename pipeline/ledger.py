@@ -27,7 +27,7 @@ import math
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -641,3 +641,23 @@ def halt(ledger: Any, reason: str) -> None:
         ledger.halt(reason)
     else:
         ledger.apply.remote([("halt", reason)])
+
+
+def read_spend(layout: Any, sources: Sequence[Any]) -> dict[str, dict[str, tuple[int, int | None]]]:
+    """Per spending source, tokens committed per dataset (its ledger journal, either layout, which the ledger
+    rewrites on every change) against that dataset's budget: the console's spend while a run generates. A
+    journal caught mid-rewrite reads as nothing committed yet, for this line only (the run's start refused an
+    unreadable one)."""
+    from pipeline.config import UnreadableFile
+
+    out: dict[str, dict[str, tuple[int, int | None]]] = {}
+    for src in sources:
+        try:
+            committed, _ = read_journal_both(str(layout.ledger(src.name)))
+        except UnreadableFile:
+            committed = {}
+        budgets = dict(getattr(src, "budgets", None) or {})
+        default = getattr(src, "default_budget", None)
+        names = sorted(set(budgets) | set(committed))
+        out[src.name] = {d: (committed.get(d, 0), budgets.get(d, default)) for d in names}
+    return out

@@ -2,11 +2,14 @@
 
 Backends: the tiny target through transformers (real ids, reasoning split by
 the profile, usage counted by the real tokenizer), or "no model" (canned text
-after a delay, for load tests). Faults are drawn per request from configured
+after a delay, for load tests; ``--answer-tokens N``: long answers of about N
+tokens, one of a fixed set picked by the prompt, for benches of the stages
+after generation). Faults are drawn per request from configured
 rates, or forced per prompt with a marker in a message such as
 ``[[fault:always-502]]`` (see ``MARKER_FAULTS``).
 
     python -m pipeline serve-openrouter --port 8089 --model-dir runs/tiny --fault-429 0.1
+    python -m pipeline serve-openrouter --port 0 --no-model --delay-ms 50 --answer-tokens 2000
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -227,11 +230,84 @@ def generation_stats(gen_id: str, model: str, provider: str, g: Generated, bille
 # --------------------------------------------------------------------------- backends
 
 
-class CannedBackend:
-    """No model: fixed text after a delay; token counts from the tokenizer when one is given."""
+# Long answers (--answer-tokens): sentences of these words, so that no block repeats back to back (the
+# repetition check passes) and decode -> encode gives the same ids (the roundtrip check passes).
+ANSWER_WORDS = tuple("""
+the a of to and in that is for it with as on be at by this from or an are was but not have all can one
+more when will there which their so if about what up out them into than then some could time only other new
+any these two may first way each such many after also made over did down most long through where much before
+must well back us good little very great still own see old here between both life being under never day same
+another know while last might next found house world part small place every state large number point water
+given light river city tree field stone bridge road market garden window morning evening winter summer north
+south measure answer question reason result method sample signal model token value table list order record
+""".split())
+ANSWER_VARIANTS = 64  # distinct answers per shape; a prompt's digest picks one
 
-    def __init__(self, delay_ms: float = 50.0, profile: Any = None) -> None:
+
+def sized_text(profile: Any, n_tokens: int, seed: int) -> str:
+    """Sentences of ``ANSWER_WORDS``, fixed by ``seed``: the most words whose text encodes to at most
+    ``n_tokens`` tokens (a search on the word count, guided by the measured tokens per word)."""
+    rng = random.Random(seed)
+    pieces: list[str] = []
+
+    def count(m: int) -> int:
+        while len(pieces) < m:
+            words = [rng.choice(ANSWER_WORDS) for _ in range(rng.randint(6, 16))]
+            words[0] = words[0].capitalize()
+            if len(words) > 9 and rng.random() < 0.5:
+                words[len(words) // 2] += ","
+            words[-1] += "."
+            pieces.extend(words)
+        return len(profile.encode(" ".join(pieces[:m])))
+
+    lo, hi, m = 0, None, max(1, n_tokens // 2)  # count(lo) <= n_tokens < count(hi)
+    for _ in range(40):
+        got = count(m)
+        if got <= n_tokens:
+            lo = m
+        else:
+            hi = m
+        if hi is not None and hi - lo <= 1:
+            break
+        guess = round(m * n_tokens / max(got, 1))
+        m = max(lo + 1, guess if hi is None else min(guess, hi - 1))
+    return " ".join(pieces[:max(lo, 1)])
+
+
+def answer_variant(body: Mapping[str, Any]) -> int:
+    """Which of the ``ANSWER_VARIANTS`` answers a request gets: a digest of its messages and seed."""
+    key = json.dumps([body.get("messages"), body.get("seed")], sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "big") % ANSWER_VARIANTS
+
+
+def long_answer_ids(profile: Any, n_tokens: int, variant: int, thinking: bool) -> list[int]:
+    """The ids the "model" writes for a long answer of about ``n_tokens`` tokens in all: with thinking,
+    reasoning and content of about half each around ``</think>`` (with the profile's padding there), then the
+    end of turn. Usage is counted on these ids, so what is billed is what a rebuild of the text gives back."""
+    seed = variant * 2 + 1
+    if not thinking:
+        return profile.encode(sized_text(profile, max(1, n_tokens - 1), seed)) + [profile.eot_id]
+    before, after = profile.think_end_padding
+    n_reasoning = max(1, (n_tokens - 2) // 2)
+    n_content = max(1, n_tokens - 2 - n_reasoning)
+    reasoning = sized_text(profile, n_reasoning, seed) + before
+    content = after + sized_text(profile, n_content, seed + 1)
+    return profile.encode(reasoning) + [profile.think_end_id] + profile.encode(content) + [profile.eot_id]
+
+
+class CannedBackend:
+    """No model: fixed text after a delay; token counts from the tokenizer when one is given.
+
+    ``answer_tokens``: instead of the one short answer, long ones of about that many tokens (needs the
+    profile): ``ANSWER_VARIANTS`` of them per thinking mode, built once each on first use, picked by
+    ``answer_variant``; a ``max_tokens`` below the answer cuts its ids there (finish ``length``)."""
+
+    def __init__(self, delay_ms: float = 50.0, profile: Any = None, answer_tokens: int | None = None) -> None:
+        if answer_tokens is not None and (profile is None or answer_tokens <= 0):
+            raise ValueError("answer_tokens needs a profile (its tokenizer sizes the answers) and must be > 0")
         self.delay_s = delay_ms / 1000.0
+        self.profile, self.answer_tokens = profile, answer_tokens
+        self._long: dict[tuple[int, bool], tuple[list[int], Generated]] = {}
         self.reasoning = "The user asks a question. I will think briefly and answer."
         self.content = "Here is a short canned answer from the load-test server."
         if profile is not None:
@@ -245,12 +321,26 @@ class CannedBackend:
         await asyncio.sleep(self.delay_s)
         n_prompt = sum(len(str(m.get("content") or "").split()) for m in body["messages"])
         limit = int(body.get("max_tokens") or 1 << 30)
+        if self.answer_tokens is not None:
+            return self.long_answer(answer_variant(body), thinking, limit, n_prompt)
         if thinking:
             n = self.n_reasoning + 1 + self.n_content
             return Generated(self.reasoning, self.content, None, "stop" if n <= limit else "length", n_prompt,
                              min(n, limit), min(self.n_reasoning, limit))
         n = self.n_content
         return Generated(None, self.content, None, "stop" if n <= limit else "length", n_prompt, min(n, limit), 0)
+
+    def long_answer(self, variant: int, thinking: bool, limit: int, n_prompt: int) -> Generated:
+        """One long answer, split and counted from its ids as the transformers backend's are (a fresh copy:
+        the server edits what it sends)."""
+        key = (variant, thinking)
+        if key not in self._long:
+            ids = long_answer_ids(self.profile, int(self.answer_tokens or 0), variant, thinking)
+            self._long[key] = ids, split_generated(self.profile, ids, thinking, tools_sent=False, prompt_tokens=0)
+        ids, whole = self._long[key]
+        if len(ids) > limit:
+            return split_generated(self.profile, ids[:limit], thinking, tools_sent=False, prompt_tokens=n_prompt)
+        return replace(whole, prompt_tokens=n_prompt)
 
 
 class TransformersBackend:
@@ -546,12 +636,15 @@ def _corrupt(g: Generated) -> Generated:
 # --------------------------------------------------------------------------- running
 
 
-def make_backend(model_dir: str | None, profile_name: str, delay_ms: float, no_model: bool) -> Any:
+def make_backend(model_dir: str | None, profile_name: str, delay_ms: float, no_model: bool,
+                 answer_tokens: int | None = None) -> Any:
     if no_model or not model_dir:
         from pipeline.profiles import load_profile
 
         # Usage is still counted by the real tokenizer, so billing cross-checks hold in load tests.
-        return CannedBackend(delay_ms, load_profile(profile_name, model_dir))
+        return CannedBackend(delay_ms, load_profile(profile_name, model_dir), answer_tokens)
+    if answer_tokens is not None:
+        raise ValueError("answer_tokens: long canned answers need the no-model backend")
     return TransformersBackend(model_dir, profile_name)
 
 
@@ -604,6 +697,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
     p.add_argument("--profile", default="deepseek")
     p.add_argument("--no-model", action="store_true", help="answer canned text after --delay-ms")
     p.add_argument("--delay-ms", type=float, default=50.0)
+    p.add_argument("--answer-tokens", type=_positive_int, default=None, metavar="N",
+                   help="no-model backend: long answers of about N tokens (reasoning + content with thinking), "
+                        "one of a fixed set picked by the prompt, usage counted exactly")
     p.add_argument("--model-name", default="tiny/deepseek-tiny")
     p.add_argument("--providers", default="Alpha,Beta,Gamma")
     p.add_argument("--api-key-env", help="require the key held in this environment variable")
@@ -623,6 +719,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
     p.add_argument("--known-models", default="",
                    help="comma-separated models with an endpoint; any other gets 404 (default: every model)")
     a = p.parse_args(argv)
+    if a.answer_tokens is not None and a.model_dir and not a.no_model:
+        p.error("--answer-tokens needs the no-model backend (--no-model, or no --model-dir)")
     rates = {k: getattr(a, "fault_" + k.replace("-", "_")) for k in RANDOM_FAULTS}
     flaky = {}
     for item in a.flaky_provider:
@@ -644,7 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _raise_fd_limit()
-    backend = make_backend(a.model_dir, a.profile, a.delay_ms, a.no_model)
+    backend = make_backend(a.model_dir, a.profile, a.delay_ms, a.no_model, a.answer_tokens)
     server = OpenRouterLikeServer(cfg, backend)
 
     async def serve() -> None:
@@ -660,6 +758,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     asyncio.run(serve())
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {value}")
+    return value
 
 
 def _raise_fd_limit() -> None:

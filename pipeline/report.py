@@ -18,6 +18,7 @@ from pipeline.audit import AuditAccumulator, summary_lines
 from pipeline.config import ChecksConfig, DatasetConfig
 from pipeline.console import GenerateSnapshot
 from pipeline.costs import cost_lines, cost_table
+from pipeline.flight import output_len
 from pipeline.layout import RunLayout
 from pipeline.records import read_rows, read_samples
 from pipeline.throughput import record as record_throughput
@@ -71,7 +72,8 @@ class Tally:
 
     def add(self, row: dict[str, Any]) -> None:
         self.status[row["status"]] += 1
-        if row.get("output_ids") is not None:
+        generated = output_len(row)
+        if generated is not None:
             self.served[row.get("source") or ""] += 1
         if row.get("spilled_from"):
             self.spilled[row["spilled_from"]] += 1
@@ -80,7 +82,7 @@ class Tally:
             self.asked[row.get("source") or ""] += 1
         if row["status"] == "not_generated":
             self.left[(row.get("source") or "", row.get("failure_class") or "transient")] += 1
-        self.tokens += len(row["output_ids"] or [])
+        self.tokens += generated or 0
         self.cost += row.get("cost") or 0.0
         if row.get("checks_ran"):
             details = json.loads(row["check_details"] or "{}")

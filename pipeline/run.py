@@ -17,8 +17,6 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
-import pyarrow as pa
-
 from pipeline.config import RunConfig
 from pipeline.console import (
     Console,
@@ -28,20 +26,27 @@ from pipeline.console import (
     duration,
     generate_line,
     header_lines,
-    read_spend,
 )
 from pipeline.costs import engine_prices
-from pipeline.datasets import load_dataset
 from pipeline.handoff import extract_and_train
-from pipeline.layout import RunLayout, atomic_write_json, atomic_write_table
-from pipeline.ledger import halt
+from pipeline.layout import RunLayout, atomic_write_json
+from pipeline.ledger import halt, read_spend
 from pipeline.manifest import check_or_write_manifest
+from pipeline.prompt_read import (
+    TO_DO,
+    PromptSet,
+    check_prompt_files,
+    index_prompts,
+    pass_dataset,
+    read_finished_ids,
+    reroute_prompts,
+)
 from pipeline.publish import publish_report
-from pipeline.records import QUARANTINE_SCHEMA, quarantine_row, read_rows
+from pipeline.records import read_rows
 from pipeline.report import Tally, Timings, audit_for, format_report, ledger_report, source_report, summarize
 from pipeline.run_lock import RunLock, current_lock, on_lock_lost
 from pipeline.sources.registry import spending_sources
-from pipeline.stages import RenderPrompts, ValidateSamples, WriteShards, shard_name
+from pipeline.stages import RenderPrompts, ValidateSamples, WriteShards, pool_bounds
 from pipeline.validate import assert_conservation
 
 log = logging.getLogger("pipeline")
@@ -99,16 +104,18 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     check_or_write_manifest(cfg, layout.root, has_samples=has_finished_rows(layout))
     check_api_keys(cfg)
     check_budget_journals(cfg, layout)
+    check_prompt_files(cfg)  # a dataset file or a shard that cannot be read stops the run here, before Ray
+    done = finished_ids(layout)
     t0 = time.perf_counter()
-    prompts, counts = read_prompts(cfg, layout)  # a file that cannot be read stops the run here, before Ray
+    init_ray(cfg)
+    timings.add("ray_init", t0)
+    t0 = time.perf_counter()
+    prompts, counts = read_prompts(cfg, layout, done)  # the index pass: Ray tasks read the files
     timings.add("read", t0)
     console.line("\n".join(header_lines(
         console.title or str(layout.root), [(d.name, counts[f"{d.name}.rows"]) for d in cfg.datasets],
         [describe_source(s) for s in cfg.sources], layout.root, counts["resumed_done"], len(prompts),
         layout.logs if console.capture else None, describe_training(cfg.training, "training" in cfg.model_fields_set))))
-    t0 = time.perf_counter()
-    init_ray(cfg)
-    timings.add("ray_init", t0)
     check_placement(cfg, len(prompts))
     t0 = time.perf_counter()
     ledgers, held = create_ledgers(cfg, layout)
@@ -235,28 +242,19 @@ def check_api_keys(cfg: RunConfig) -> None:
                               "(set it to the API key, or api_key_required: false for a local server)")
 
 
-def read_prompts(cfg: RunConfig, layout: RunLayout) -> tuple[list[dict[str, Any]], Counter]:
-    """All prompt rows not yet finished. Malformed rows go straight to quarantine, and so do prompts an API
-    source gave up on after transient failures in ``transient_runs`` runs (they would only fail again)."""
-    done = finished_ids(layout)
-    prompts, bad_rows, counts = [], [], Counter()
-    for d in cfg.datasets:
-        rows, bad = load_dataset(d)
-        counts[f"{d.name}.rows"] = len(rows) + len(bad)
-        prompts += [r for r in rows if r["sample_id"] not in done]
-        bad_rows += [b for b in bad if b["sample_id"] not in done]
+def read_prompts(cfg: RunConfig, layout: RunLayout, done: set[str] | None = None) -> tuple[PromptSet, Counter]:
+    """The prompts not yet finished (not in ``done``, default ``finished_ids``), as a ``PromptSet``: their
+    number and how to read them, no row (Ray must be up). The index pass (pipeline.prompt_read, one Ray task
+    per dataset) counts each file's rows and quarantines its malformed rows, and the prompts an API source
+    gave up on after transient failures in ``transient_runs`` runs (they would only fail again)."""
+    import ray
+
+    done = finished_ids(layout) if done is None else done
     worn = worn_out(cfg, layout)
-    bad_rows += [dict(p, **worn[p["sample_id"]]) for p in prompts if p["sample_id"] in worn]
-    prompts = [p for p in prompts if p["sample_id"] not in worn]
-    if bad_rows:
-        layout.quarantine.mkdir(parents=True, exist_ok=True)
-        # quarantine_row keeps the offending line (``raw``) in the detail column
-        q = [quarantine_row({k: v for k, v in b.items() if k not in ("stage", "reason")}, b["stage"], b["reason"])
-             for b in bad_rows]
-        table = pa.Table.from_pylist(q, schema=QUARANTINE_SCHEMA)
-        atomic_write_table(table, layout.quarantine / shard_name([b["sample_id"] for b in bad_rows]))
+    counts = index_prompts(cfg, layout, done, worn)
+    to_do = counts.pop(TO_DO, 0)
     counts["resumed_done"] = len(done)
-    return prompts, counts
+    return PromptSet(cfg, ray.put(done | worn.keys()), to_do), counts
 
 
 def worn_out(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, str]]:
@@ -277,9 +275,9 @@ def has_finished_rows(layout: RunLayout) -> bool:
 
 
 def finished_ids(layout: RunLayout) -> set[str]:
-    """Sample ids already written as passed or quarantined (a resumed run skips them)."""
-    return {r["sample_id"] for folder in (layout.samples, layout.quarantine)
-            for r in read_rows(folder, ["sample_id"])}
+    """Sample ids already written as passed or quarantined (a resumed run skips them); a shard that does not
+    read raises ``UnreadableFile`` as ``records.read_rows`` does."""
+    return read_finished_ids(layout)
 
 
 def max_prompt_tokens(cfg: RunConfig) -> dict[str, int]:
@@ -334,7 +332,7 @@ def restored_spend(cfg: RunConfig, layout: RunLayout, src: Any, identities: dict
 def source_identities(cfg: RunConfig, layout: RunLayout) -> dict[str, list[str]]:
     """name -> every identity a spending source of that name has had in this folder (``sources.json``), this
     run's added: spend restores from every name that ever had the source's identity."""
-    path = layout.root / "sources.json"
+    path = layout.source_identities
     known: dict[str, list[str]] = {}
     if path.exists():
         try:
@@ -423,15 +421,16 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
     checks = {d.name: d.checks.model_dump() for d in cfg.datasets}
     block_rows = min(s.batch_size for s in cfg.sources)
     todo, overrides = prompts, {}
+    pools = stage_pools(cfg)
     for _ in range(cfg.routing.max_hops + 2):
-        ds = ray.data.from_items(todo, override_num_blocks=max(1, len(todo) // block_rows))
+        ds = pass_dataset(todo, block_rows)  # read in the workers (pipeline.prompt_read); a list in tests
         ds = ds.map_batches(RenderPrompts, fn_constructor_args=(model.profile, model.path, max_prompt_tokens(cfg)),
-                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+                            batch_format="pyarrow", **pools["render"])
         ds = map_routed(ds, cfg.sources, model_dir=model.path, profile=model.profile,
                         sampling=cfg.sampling, router=router, ledgers=ledgers, overrides=overrides,
                         output_dir=str(layout.root), replays=replayed)
         ds = ds.map_batches(ValidateSamples, fn_constructor_args=(model.profile, model.path, checks),
-                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+                            batch_format="pyarrow", **pools["validate"])
         lock = current_lock()  # the shard writer checks it still owns the folder before every shard
         fence = {"lock_path": str(lock.path), "token": lock.token} if lock is not None else {}
         ds = ds.map_batches(WriteShards, fn_constructor_args=(str(layout.root),), fn_constructor_kwargs=fence,
@@ -440,7 +439,7 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
         try:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
                 ensure_held()  # a run whose lock was taken over stops here (exit 2), its sources already halted
-                for row in batch.to_pylist():
+                for row in batch.to_pylist():  # the writer's tally rows (flight.TALLY_SCHEMA): small columns
                     tally.note_start_error(row)
                     if row["status"] == "reroute":
                         rerouted.append(row)
@@ -452,10 +451,23 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
         finally:
             release_placement_groups()  # TP > 1 engine actors' GPU bundles outlive the actors
         overrides = reroute_overrides(rerouted)
-        todo = [p for p in prompts if p["sample_id"] in overrides]
+        todo = reroute_prompts(prompts, overrides)
         router = replace(router, spill_at=None)  # later passes carry only re-routes: none spills
         if not todo:
             break
     if todo:
         raise RuntimeError(f"{len(todo)} prompts still re-routed after {cfg.routing.max_hops + 2} passes")
     tally.progress(final=True)
+
+
+def stage_pools(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Ray Data arguments of the render and validate stages: autoscaling actor pools (``stages:`` in config)."""
+    import ray
+    import ray.data
+
+    cpus = ray.cluster_resources().get("CPU")
+    out = {}
+    for name, pool in (("render", cfg.stages.render), ("validate", cfg.stages.validate_)):
+        low, high = pool_bounds(pool, cfg.sources, cpus)
+        out[name] = {"compute": ray.data.ActorPoolStrategy(min_size=low, max_size=high), "num_cpus": pool.num_cpus}
+    return out

@@ -6,20 +6,31 @@ by its constructor arguments; the generation sources sit between render and vali
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from pipeline.config import ChecksConfig
-from pipeline.flight import batch_to_rows, mark, rows_to_table
-from pipeline.layout import RunLayout, atomic_write_table
+from pipeline.config import ChecksConfig, PoolConfig
+from pipeline.flight import batch_to_rows, mark, rows_to_table, tally_table
+from pipeline.layout import RunLayout, atomic_write_table, shard_name
 from pipeline.profiles import load_profile
 from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, empty_sample, quarantine_row, read_rows
 from pipeline.validate import annotate, quarantine_reason, validate_sample
+
+
+def pool_bounds(pool: PoolConfig, sources: Sequence[Any], cluster_cpus: float | None) -> tuple[int, int]:
+    """(min, max) actors of a CPU stage's pool. Unset, the maximum follows the sources: as many actors as the
+    sources may run at their largest (each engine or HTTP actor's output is about one validate actor's work),
+    capped by the cluster's CPUs (more would only queue for them), never below ``min_actors``."""
+    if pool.max_actors is not None:
+        return pool.min_actors, pool.max_actors
+    most = sum(max(s.max_actors or 0, s.num_actors) for s in sources)
+    if cluster_cpus is not None:
+        most = min(most, max(1, int(cluster_cpus)))
+    return pool.min_actors, max(pool.min_actors, most)
 
 
 class RenderPrompts:
@@ -74,14 +85,9 @@ class ValidateSamples:
         return rows_to_table(out)
 
 
-def shard_name(sample_ids: list[str]) -> str:
-    """Content-addressed: a retried batch rewrites the same file instead of adding a copy."""
-    digest = hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()[:20]
-    return f"part-{digest}.parquet"
-
-
 class WriteShards:
-    """Write ok rows to samples/, quarantined rows to quarantine/, return one summary row per sample.
+    """Write ok rows to samples/, quarantined rows to quarantine/, return one tally row per sample
+    (``flight.TALLY_SCHEMA``: the driver counts, it never holds the ids or texts).
 
     With the run lock's ``lock_path`` and ``token`` (the actor runs in another process than the driver that
     holds the lock) every shard is committed under ``run_lock.fence``: after a takeover nothing is written
@@ -128,8 +134,7 @@ class WriteShards:
             q = [quarantine_row(r, r["stage"], r["reason"]) for r in bad]
             self._commit(rows_to_table(q, QUARANTINE_SCHEMA), self.quarantine / shard_name([r["sample_id"] for r in q]))
             self.written.update(r["sample_id"] for r in q)
-        return rows_to_table([{**r, "prompt_ids": [], "prompt_assistant_mask": [], "messages": "", "tools": "",
-                               "reasoning": None, "content": None, "tool_calls": ""} for r in rows])
+        return tally_table(rows)
 
     def _commit(self, table: pa.Table, path: Path) -> None:
         """Write one shard whole; with a lock, only while it is still ours (fence: guard, token check, write)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import CheckMode, ChecksConfig
+from pipeline.flight import output_len
 from pipeline.profiles.base import Profile, tool_function
 
 Check = Callable[[dict[str, Any], Profile, ChecksConfig], str | None]
@@ -68,11 +69,12 @@ def is_truncated(sample: dict[str, Any]) -> bool:
 
 
 def billing_diff(sample: dict[str, Any]) -> int | None:
-    """len(output ids) - billed completion tokens, or None where the source bills nothing."""
+    """len(output ids) - billed completion tokens, or None where the source bills nothing (a sample row, or
+    the writer's tally row of one)."""
     billed = sample.get("billed_completion_tokens")
     if billed is None or billed < 0:
         return None
-    return len(sample["output_ids"]) - int(billed)
+    return (output_len(sample) or 0) - int(billed)
 
 
 def billing_outlier(diff: int, billed: int, cfg: ChecksConfig) -> bool:

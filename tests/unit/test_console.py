@@ -26,7 +26,6 @@ from pipeline.console import (
     heldout_line,
     last_json_line,
     quantity,
-    read_spend,
     spend_text,
     train_line,
 )
@@ -114,11 +113,22 @@ def test_describe_source_from_any_config():
 
 
 def test_read_spend_from_ledger_journals(tmp_path: Path):
+    """Both journal layouts: the ledger's own (format 2, tokens and dollars) and the first one."""
+    from pipeline.ledger import Ledger, read_spend
+
     layout = RunLayout(tmp_path)
-    layout.ledger("api").write_text(json.dumps({"chat": 1200}))
+    ledger = Ledger(budgets={"chat": 20_000, "code": 14_000}, journal=str(layout.ledger("api")))
+    assert ledger.apply([("reserve", "chat", 1200)])[0] == ["granted"]  # the actors' batched entry point
+    assert "#format" in json.loads(layout.ledger("api").read_text())  # what a run's ledger writes today
     src = SimpleNamespace(name="api", budgets={"chat": 20_000, "code": 14_000}, default_budget=None)
     fresh = SimpleNamespace(name="new", budgets={}, default_budget=500)
     assert read_spend(layout, [src, fresh]) == {"api": {"chat": (1200, 20_000), "code": (0, 14_000)}, "new": {}}
+    layout.ledger("old").write_text(json.dumps({"chat": 700}))
+    assert read_spend(layout, [SimpleNamespace(name="old", budgets={}, default_budget=None)]) == {
+        "old": {"chat": (700, None)}}
+    layout.ledger("torn").write_text('{"#format": 2, "tok')
+    assert read_spend(layout, [SimpleNamespace(name="torn", budgets={"chat": 5}, default_budget=None)]) == {
+        "torn": {"chat": (0, 5)}}
 
 
 def test_last_json_line_skips_a_torn_tail(tmp_path: Path):

@@ -12,19 +12,23 @@ import urllib.request
 import pytest
 
 from pipeline.openrouter_server import (
+    ANSWER_VARIANTS,
     CannedBackend,
     ServerConfig,
     TransformersBackend,
+    answer_variant,
     draw_fault,
     flagged_excerpt,
+    make_backend,
     parse_args,
     route,
     serve_in_thread,
+    sized_text,
     split_generated,
 )
 from pipeline.profiles import load_profile
 from pipeline.profiles.base import Completion
-from pipeline.reconstruct import rebuild_ids
+from pipeline.reconstruct import rebuild_from_response, rebuild_ids
 from pipeline.sources.http_wire import Failure, Reply, interpret
 
 KEY_ENV = "OPENROUTER_TEST_SERVER_KEY"
@@ -280,3 +284,70 @@ def test_unknown_models_get_404_and_are_not_billed(profile):
     assert parse_args(["--known-models", "a,b"])[0].known_models == ("a", "b")
     assert parse_args([])[0].known_models == ()
     assert parse_args(["--fault-usage-string", "0.2"])[0].rates == {"usage-string": 0.2}
+
+
+@pytest.mark.parametrize("profile_name", ["deepseek", "qwen3"])  # qwen3 pads </think> with newlines
+def test_long_answers_are_about_n_tokens_billed_exactly_and_vary_by_prompt(profile_name):
+    """--answer-tokens: every answer's billed count is what the client's rebuild of its text gives back, the
+    whole answer (reasoning, </think>, content, end of turn) is within a few tokens of N, and prompts differ."""
+    p = load_profile(profile_name)
+    n = 600
+    with serve_in_thread(ServerConfig(), CannedBackend(1, p, answer_tokens=n)) as (url, server):
+        contents, billed = set(), 0
+        for thinking in (True, False):
+            for i in range(6):
+                reasoning = {"enabled": thinking}
+                status, _, raw = post(url, chat(f"question {i}", max_tokens=4 * n, reasoning=reasoning), key=None)
+                body = json.loads(raw)
+                usage, message = body["usage"], body["choices"][0]["message"]
+                assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+                assert abs(usage["completion_tokens"] - n) <= 4, usage
+                rebuilt = rebuild_from_response(p, body, thinking)
+                assert len(rebuilt.ids) == usage["completion_tokens"] and rebuilt.billed_delta == 0
+                assert rebuilt.ids[-1] == p.eot_id
+                if thinking:
+                    assert message["reasoning"] and usage["completion_tokens_details"]["reasoning_tokens"] == \
+                        rebuilt.ids.index(p.think_end_id) > n // 3
+                else:
+                    assert message["reasoning"] is None and usage["completion_tokens_details"]["reasoning_tokens"] == 0
+                contents.add(message["content"])
+                billed += usage["completion_tokens"]
+        assert len(contents) >= 8  # not one answer for all: the prompt picks one of ANSWER_VARIANTS
+        again = json.loads(post(url, chat("question 0", max_tokens=4 * n, reasoning={"enabled": True}), key=None)[2])
+        first = json.loads(post(url, chat("question 0", max_tokens=4 * n, reasoning={"enabled": True}), key=None)[2])
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]  # deterministic per prompt
+        billed += 2 * first["usage"]["completion_tokens"]
+        assert server.counts["billed_completion_tokens"] == billed  # the server's own bill: the usage it sent
+
+        # max_tokens below the answer: its ids cut there, billed exactly the limit, rebuilt to the same count
+        status, _, raw = post(url, chat("question 1", max_tokens=n // 4, reasoning={"enabled": True}), key=None)
+        cut = json.loads(raw)
+        assert cut["choices"][0]["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == n // 4
+        assert len(rebuild_from_response(p, cut, True).ids) == n // 4
+
+
+def test_long_answer_text_fits_its_size_and_default_answer_is_unchanged(profile):
+    for n in (1, 7, 300, 2000):
+        got = len(profile.encode(sized_text(profile, n, seed=5)))
+        assert n - 3 <= got <= n
+    assert sized_text(profile, 300, seed=5) == sized_text(profile, 300, seed=5) != sized_text(profile, 300, seed=6)
+    variants = {answer_variant({"messages": [{"role": "user", "content": f"q{i}"}], "seed": 0}) for i in range(200)}
+    assert len(variants) > ANSWER_VARIANTS // 2 and all(0 <= v < ANSWER_VARIANTS for v in variants)
+
+    canned = CannedBackend(1, profile)  # no --answer-tokens: the one short answer, counted as before
+    assert canned.content == "Here is a short canned answer from the load-test server."
+    assert canned.n_content == len(profile.encode(canned.content)) + 1
+    assert canned.n_reasoning == len(profile.encode(canned.reasoning))
+    with serve_in_thread(ServerConfig(), canned) as (url, _):
+        body = json.loads(post(url, chat("hi", max_tokens=64, reasoning={"enabled": True}), key=None)[2])
+    assert body["choices"][0]["message"]["content"] == canned.content
+    assert body["usage"]["completion_tokens"] == canned.n_reasoning + 1 + canned.n_content
+
+    assert parse_args(["--no-model", "--answer-tokens", "2000"])[1].answer_tokens == 2000
+    assert parse_args([])[1].answer_tokens is None
+    for bad in (["--answer-tokens", "0"], ["--answer-tokens", "x"], ["--model-dir", "m", "--answer-tokens", "5"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    assert make_backend(None, "deepseek", 1, True, 50).answer_tokens == 50
+    with pytest.raises(ValueError):
+        CannedBackend(1, None, answer_tokens=10)  # sizing needs the tokenizer

@@ -22,10 +22,10 @@ import pytest
 
 from pipeline import run_lock
 from pipeline.flight import rows_to_table
-from pipeline.layout import RunLayout
+from pipeline.layout import RunLayout, shard_name
 from pipeline.records import empty_sample
 from pipeline.run_lock import HOST, LockHeld, LockLost, RunLock, current_lock, guard_path, on_lock_lost, read_lock
-from pipeline.stages import WriteShards, shard_name
+from pipeline.stages import WriteShards
 
 
 def _write_lock(path: Path, *, host: str, pid: int, heartbeat_at: float, token: str | None = None) -> str:

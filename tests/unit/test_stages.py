@@ -24,3 +24,41 @@ def test_a_prompt_too_long_for_its_dataset_is_quarantined_before_generation():
     assert (out[1]["status"], out[1]["stage"]) == ("quarantine", "render")
     assert out[1]["reason"].startswith("max_length: prompt of ") and "max_total_tokens 32768" in out[1]["reason"]
     assert out[2]["status"] == "ok" and len(out[2]["prompt_ids"]) > 32768  # no limit configured for "other"
+
+
+def test_the_writer_hands_the_driver_only_the_tally_columns(tmp_path):
+    """The driver counts: no token ids or texts come back from the writer, and the tally figures it needs
+    (token count, billing, checks) are exact."""
+    from pipeline.config import DatasetConfig
+    from pipeline.flight import TALLY_SCHEMA
+    from pipeline.report import Tally, audit_for
+    from pipeline.stages import WriteShards
+    from tests.unit.test_run_lock import _batch, _flight
+
+    ok, bad, left = _flight("a"), _flight("q", "quarantine"), _flight("n", "not_generated")
+    ok.update(output_ids=[5, 6, 7], billed_completion_tokens=3, cost=0.25, source="api", checks_ran=["billing"])
+    left["output_ids"] = None
+    out = WriteShards(str(tmp_path))(_batch(ok, bad, left))
+    assert out.schema == TALLY_SCHEMA and "output_ids" not in out.schema.names and "content" not in out.schema.names
+    rows = {r["sample_id"]: r for r in out.to_pylist()}
+    assert rows["a"]["output_tokens"] == 3 and rows["n"]["output_tokens"] is None
+    tally = Tally(3, audit_for([DatasetConfig(name="d", path="x.jsonl")]))
+    for r in out.to_pylist():
+        tally.add(r)
+    assert rows["q"]["output_tokens"] == 2 and tally.tokens == 3 + 2 and tally.cost == 0.25
+    assert tally.status == {"ok": 1, "quarantine": 1, "not_generated": 1}
+    billing = tally.audit.report()["billing"]  # billing_diff reads output_tokens on a tally row
+    assert (billing["samples"], billing["output_tokens"], billing["billed_tokens"]) == (1, 3, 3)
+
+
+def test_cpu_stage_pools_follow_the_sources_and_the_cluster():
+    from types import SimpleNamespace
+
+    from pipeline.config import PoolConfig
+    from pipeline.stages import pool_bounds
+
+    sources = [SimpleNamespace(num_actors=2, max_actors=6), SimpleNamespace(num_actors=4, max_actors=None)]
+    assert pool_bounds(PoolConfig(), sources, cluster_cpus=64) == (1, 10)  # 6 + 4 source actors at their most
+    assert pool_bounds(PoolConfig(), sources, cluster_cpus=2) == (1, 2)  # more would only queue for CPUs
+    assert pool_bounds(PoolConfig(min_actors=3), sources, cluster_cpus=2) == (3, 3)
+    assert pool_bounds(PoolConfig(min_actors=1, max_actors=5), sources, cluster_cpus=2) == (1, 5)  # set: kept
