@@ -69,8 +69,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
 
+    from pipeline.demo.tiny_model import build_tiny_target
     from pipeline.profiles import load_profile
-    from pipeline.tiny_model import build_tiny_target
     from tests.helpers.training import (
         build_tiny_llama,
         greedy_continue,

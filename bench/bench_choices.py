@@ -5,7 +5,7 @@ acceptance (vLLM) over several seeds and two budgets.
         --steps 100 1000 --seeds 0 1 2 --jobs 2 --json /tmp/bench_choices/results.json
 
 The short answers of the shop target (tiny_domain) let every drafter accept nearly everything; the reasoning
-target's 100-300 token traces (pipeline.tiny_reasoning) have real branch points, so the choices can differ.
+target's 100-300 token traces (pipeline.demo.tiny_reasoning) have real branch points, so the choices can differ.
 
 Data (once, cached in --work): 1,600 training prompts (``tiny_reasoning.conversations(1600, seed=1)``, the
 rows of ``prompt_rows``) and 32 held-out ones (from seed 2, user text not in the training set), each rendered
@@ -58,8 +58,8 @@ def user_text(messages: list[dict]) -> str:
 
 def prompt_sets() -> tuple[list[list[int]], list[list[int]]]:
     """Token-id prompts: the training set and the held-out set (disjoint by user text)."""
+    from pipeline.demo.tiny_reasoning import conversations
     from pipeline.profiles import load_profile
-    from pipeline.tiny_reasoning import conversations
 
     profile = load_profile("deepseek")
     train = conversations(1600, 1)

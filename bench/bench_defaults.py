@@ -4,7 +4,7 @@
     .venv/bin/python -m pipeline run OUT/run.yaml                       # greedy samples -> OUT/run/hidden
     .venv/bin/python bench/bench_defaults.py sweep OUT [--steps 116] [--seeds 0 1 2] [--only NAME ...]
 
-``prepare`` writes 1,600 training prompts of the target's domain (``pipeline.tiny_domain.prompt_rows``,
+``prepare`` writes 1,600 training prompts of the target's domain (``pipeline.demo.tiny_domain.prompt_rows``,
 seed 1, the side-by-side bench's) and 200 held-out ones (seed 2, disjoint), as two datasets of one run
 that generates greedy responses and extracts hidden states to shards without training. ``sweep``
 reads those shards once, trains a drafter in this process for every variant and seed
@@ -49,7 +49,7 @@ TRAIN, HELD = "shop_train", "shop_held"
 
 
 def prepare(out: Path, target: Path) -> None:
-    from pipeline.tiny_domain import prompt_rows
+    from pipeline.demo.tiny_domain import prompt_rows
 
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,7 @@ training: null
 def sweep(out: Path, steps: int, seeds: list[int], only: list[str] | None) -> None:
     import torch
 
-    from pipeline.hidden_shards import read_hidden_shards
+    from pipeline.hidden.shards import read_hidden_shards
     from training.config import DraftTrainConfig
     from training.simulate import simulate_acceptance
     from training.target import load_target_parts

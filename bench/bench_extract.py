@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.extract import HiddenStateExtractor, right_pad, token_batches  # noqa: E402
-from pipeline.hidden_shards import shard_meta, write_shards  # noqa: E402
+from pipeline.hidden.extract import HiddenStateExtractor, right_pad, token_batches  # noqa: E402
+from pipeline.hidden.shards import shard_meta, write_shards  # noqa: E402
 from training.target import greedy_ids  # noqa: E402
 
 MODELS = {
@@ -116,7 +116,7 @@ def bench_model(name: str, model_dir: str, args, work: Path) -> dict:
 
 def bench_vllm(model_dir: str, args) -> dict:
     """The engine backend on the tiny target: agreement with transformers, and tokens/s after warm-up."""
-    from pipeline.extract import VLLMStateCapture, capture, load_target
+    from pipeline.hidden.extract import VLLMStateCapture, capture, load_target
 
     aux = [1, 2, 3]
     rows = sample_rows(min(args.samples, 32), 120_000, seed=1, hi=512)
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from pipeline.tiny_model import build_tiny_target
+    from pipeline.demo.tiny_model import build_tiny_target
     from tests.helpers.training import build_tiny_llama
 
     repo = Path(__file__).resolve().parents[1]

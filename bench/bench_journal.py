@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.sources.http_journal import Record, ResponseJournal, iter_journal  # noqa: E402
+from pipeline.generate.sources.http.journal import Record, ResponseJournal, iter_journal  # noqa: E402
 
 
 def records(n: int, chars: int) -> list[Record]:

@@ -94,8 +94,8 @@ async def _ours(url: str, n: int, conc: int, max_tokens: int, key: str) -> int:
     response journal (every paid answer appended to a run folder's ``responses/``, as in a run)."""
     import tempfile
 
-    from pipeline.config import OpenRouterSourceConfig
-    from pipeline.sources.openrouter import OpenRouterGenerator
+    from pipeline.base.config import OpenRouterSourceConfig
+    from pipeline.generate.sources.http.openrouter import OpenRouterGenerator
     from tests.helpers.http import local_ledger
 
     cfg = OpenRouterSourceConfig(model=MODEL, base_url=url, api_key_env=KEY_ENV, max_in_flight=conc,
@@ -121,10 +121,10 @@ def _preload(kind: str) -> None:
     if kind == "ours":
         import pyarrow as pa
 
+        from pipeline.checks.reconstruct import rebuild_ids
+        from pipeline.generate.sources.http.openrouter import OUTPUT_SCHEMA
         from pipeline.profiles import load_profile
         from pipeline.profiles.base import Completion
-        from pipeline.reconstruct import rebuild_ids
-        from pipeline.sources.openrouter import OUTPUT_SCHEMA
 
         profile = load_profile("deepseek")  # cached: the generator gets this same profile and tokenizer
         # The tokenizer's lazily built copy without added tokens (text segments are encoded with it; ~0.5 s CPU
@@ -159,7 +159,7 @@ def _rss_kib() -> int:
 
 def start_server(delay_ms: float) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pipeline.openrouter_server import main; sys.exit(main(sys.argv[1:]))",
+        [sys.executable, "-m", "pipeline.demo.openrouter_server",
          "--port", "0", "--no-model", "--delay-ms", str(delay_ms), "--api-key-env", KEY_ENV],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     deadline = time.time() + 120

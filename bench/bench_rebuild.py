@@ -26,9 +26,9 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.checks.reconstruct import rebuild_ids, response_text  # noqa: E402
 from pipeline.profiles import PROFILE_NAMES, load_profile  # noqa: E402
 from pipeline.profiles.base import Completion, Profile, tool_call  # noqa: E402
-from pipeline.reconstruct import rebuild_ids, response_text  # noqa: E402
 
 PARAGRAPHS = [
     "Let me think about this step by step. The user wants the total cost, so I need the unit price times the "

@@ -116,12 +116,12 @@ def stand_in(tmp: Path, delay_ms: float, answer_tokens: int | None = None) -> It
 def build_rows(n: int, answer_tokens: int, thinking: bool = True) -> Any:
     """``n`` ok rows as the HTTP source hands them to validation (``flight.FLIGHT_SCHEMA``): the stand-in's
     long answers, ids rebuilt from their text, billed counts as the server sends them."""
-    from pipeline.flight import rows_to_table
-    from pipeline.openrouter_server import CannedBackend, answer_variant
+    from pipeline.base.flight import rows_to_table
+    from pipeline.base.records import empty_sample
+    from pipeline.checks.reconstruct import rebuild_ids
+    from pipeline.demo.openrouter_server import CannedBackend, answer_variant
     from pipeline.profiles import load_profile
     from pipeline.profiles.base import Completion
-    from pipeline.reconstruct import rebuild_ids
-    from pipeline.records import empty_sample
 
     profile = load_profile(PROFILE)
     backend = CannedBackend(0, profile, answer_tokens)
@@ -207,7 +207,7 @@ class RayCluster:
 def _validate_class() -> type:
     """ValidateSamples, noting in a file per actor its node (the pool's spread) and the wall and CPU seconds
     of its calls (wall well over CPU: the actor waited for a core); the work is the stage's own ``__call__``."""
-    from pipeline.stages import ValidateSamples
+    from pipeline.generate.stages import ValidateSamples
 
     class NotedValidate(ValidateSamples):
         def __init__(self, note_dir: str, *args: Any) -> None:
@@ -238,7 +238,7 @@ def time_validate(table: Any, k: int, batch_rows: int, note_dir: Path) -> dict[s
     import pyarrow.compute as pc
     import ray
 
-    from pipeline.config import ChecksConfig
+    from pipeline.base.config import ChecksConfig
 
     for f in note_dir.glob("*.node"):
         f.unlink()
@@ -356,7 +356,7 @@ def cmd_floor(a: argparse.Namespace) -> int:
 
 def cmd_driver(a: argparse.Namespace) -> int:
     """Child process: ``python -m pipeline ARGS`` in this process, its peak RSS written to ``--rss-out``."""
-    from pipeline.cli import main
+    from pipeline.run.cli import main
 
     rc = 1
     try:

@@ -30,9 +30,9 @@ def flight_rows(model_dir: str, n: int) -> list[dict[str, Any]]:
     """n rendered prompts (the shipped prompt files, cycled), as the render stage would emit them."""
     import pyarrow as pa
 
-    from pipeline.config import DatasetConfig
-    from pipeline.datasets import load_dataset
-    from pipeline.stages import RenderPrompts
+    from pipeline.base.config import DatasetConfig
+    from pipeline.generate.stages import RenderPrompts
+    from pipeline.prompts.datasets import load_dataset
 
     prompts = []
     for name, fmt in (("chat", "messages"), ("code", "sharegpt"), ("math", "instruction"), ("tools", "messages")):
@@ -48,7 +48,7 @@ class TimedVLLM:
     """The pipeline's vLLM stage plus wall-clock stamps per batch (the bench's only addition)."""
 
     def __init__(self, *args: Any) -> None:
-        from pipeline.sources.vllm_source import VLLMGenerator
+        from pipeline.generate.sources.engines.vllm_source import VLLMGenerator
 
         t0 = time.time()
         self.stage = VLLMGenerator(*args)
@@ -73,7 +73,7 @@ def warm_up(stage: Any) -> None:
 
 
 def run_direct(stage: Any, rows: list[dict[str, Any]], batch_size: int) -> tuple[float, list[list[int]]]:
-    from pipeline.flight import rows_to_table
+    from pipeline.base.flight import rows_to_table
 
     t0 = time.perf_counter()
     ids: list[list[int]] = []
@@ -114,13 +114,13 @@ def main() -> None:
 
     import ray
 
-    from pipeline.sources.vllm_source import VLLMGenerator
-    from pipeline.tiny_model import build_tiny_target
+    from pipeline.demo.tiny_model import build_tiny_target
+    from pipeline.generate.sources.engines.vllm_source import VLLMGenerator
 
     build_tiny_target(args.model_dir)
     rows = flight_rows(args.model_dir, args.prompts)
     sampling = {"temperature": 0.0, "top_p": 1.0, "max_tokens": args.max_tokens, "seed": 0}
-    from pipeline.config import VLLMSourceConfig
+    from pipeline.base.config import VLLMSourceConfig
 
     engine = VLLMSourceConfig(name="vllm-cpu", dtype="float32", max_model_len=2048, kv_cache_gib=1)
     ray.init(address="local", num_cpus=2, include_dashboard=False,

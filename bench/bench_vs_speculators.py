@@ -1,5 +1,5 @@
 """Side-by-side drafter bench with speculators 0.9.0 (issue #20): write the shared prompts and this
-project's config, both from the trained tiny target's domain (pipeline.tiny_domain).
+project's config, both from the trained tiny target's domain (pipeline.demo.tiny_domain).
 
 usage: .venv/bin/python bench/bench_vs_speculators.py OUT_DIR TARGET_DIR [--train 1600] [--heldout 32]
          [--steps N] [--draft-vocab 256] [--domain shop|reasoning] [--ttt 3] [--max-tokens 128]
@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from pipeline import tiny_domain, tiny_reasoning  # noqa: E402
+from pipeline.demo import tiny_domain, tiny_reasoning  # noqa: E402
 
 DOMAINS = {"shop": tiny_domain, "reasoning": tiny_reasoning}
 

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.extract import (  # noqa: E402
+from pipeline.hidden.extract import (  # noqa: E402
     capture,
     capture_groups,
     extract_rows,
@@ -45,7 +45,7 @@ from pipeline.extract import (  # noqa: E402
     right_pad,
     token_batches,
 )
-from pipeline.hidden_shards import shard_meta, write_shards  # noqa: E402
+from pipeline.hidden.shards import shard_meta, write_shards  # noqa: E402
 
 
 def build_model(args):

@@ -2,7 +2,7 @@
 
 import sys
 
-from pipeline.cli import main
+from pipeline.run.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

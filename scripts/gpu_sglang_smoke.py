@@ -30,9 +30,9 @@ sys.path.insert(0, str(REPO))
 def rendered_rows(model_dir: str, n: int) -> list[dict[str, Any]]:
     import pyarrow as pa
 
-    from pipeline.config import DatasetConfig
-    from pipeline.datasets import load_dataset
-    from pipeline.stages import RenderPrompts
+    from pipeline.base.config import DatasetConfig
+    from pipeline.generate.stages import RenderPrompts
+    from pipeline.prompts.datasets import load_dataset
 
     prompts = []
     for name in ("chat", "tools"):
@@ -42,7 +42,7 @@ def rendered_rows(model_dir: str, n: int) -> list[dict[str, Any]]:
 
 
 def run(stage: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from pipeline.flight import rows_to_table
+    from pipeline.base.flight import rows_to_table
 
     return stage(rows_to_table([dict(r) for r in rows])).to_pylist()
 
@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--json", help="write the report here too")
     args = p.parse_args()
 
-    from pipeline.sources.sglang_source import SGLangGenerator, sglang_available
+    from pipeline.generate.sources.engines.sglang_source import SGLangGenerator, sglang_available
 
     try:
         import torch
@@ -83,11 +83,11 @@ def main() -> int:
         print(f"SKIP: needs sglang and a GPU (sglang installed: {sglang_available()}, GPU: {has_gpu})")
         return 2
     if not Path(args.model_dir, "config.json").is_file():
-        from pipeline.tiny_model import build_tiny_target
+        from pipeline.demo.tiny_model import build_tiny_target
 
         build_tiny_target(args.model_dir)
 
-    from pipeline.config import SGLangSourceConfig
+    from pipeline.base.config import SGLangSourceConfig
 
     engine = SGLangSourceConfig(name="sglang-gpu", dtype=args.dtype, max_model_len=2048, num_gpus=1,
                                 mem_fraction_static=0.5, attention_backend=args.attention_backend)

@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import load_config  # noqa: E402
-from pipeline.extract import bytes_per_token  # noqa: E402
-from pipeline.sources.registry import source_kind  # noqa: E402
+from pipeline.base.config import load_config  # noqa: E402
+from pipeline.generate.sources.registry import source_kind  # noqa: E402
+from pipeline.hidden.extract import bytes_per_token  # noqa: E402
 
 TB, GB = 1e12, 1e9
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = completion * (1 + a.prompt_ratio)  # every token of prompt + response is extracted
 
     # API share: weighted rendezvous routing -> a dataset's prompts split by the weights of the sources
-    # allowed to serve it (pipeline.router); budgets cap it.
+    # allowed to serve it (pipeline.generate.router); budgets cap it.
     weights = {n: r.weight for n, r in cfg.routing.sources.items()}
     api = [s for s in cfg.sources if source_kind(s).spends]
     api_completion = api_cap = 0.0

@@ -48,7 +48,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wild tiny target: random </think>, end-of-turn and tool markers (the checks' hard cases)."""
-    from pipeline.tiny_model import build_tiny_target
+    from pipeline.demo.tiny_model import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"), variant="wild")
 
@@ -56,7 +56,7 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def clean_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The well-formed tiny target (the quick start's): its sampled responses pass every check."""
-    from pipeline.tiny_model import build_tiny_target
+    from pipeline.demo.tiny_model import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("clean-target"), variant="well-formed")
 
@@ -64,7 +64,7 @@ def clean_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def trained_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trained tiny target (shop arithmetic, peaked distributions): a few minutes to build, once a session."""
-    from pipeline.tiny_model import build_tiny_target
+    from pipeline.demo.tiny_model import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("trained-target"), variant="trained")
 
@@ -74,7 +74,7 @@ def reasoning_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reasoning tiny target (multi-step word problems, 100-300 token traces): ~4 minutes to build, once a
     session. ``TINY_REASONING_DIR`` names a folder to build into (or reuse, when it holds this recipe's build):
     a developer's shortcut; CI builds it fresh."""
-    from pipeline.tiny_model import build_tiny_target
+    from pipeline.demo.tiny_model import build_tiny_target
 
     folder = os.environ.get("TINY_REASONING_DIR") or tmp_path_factory.mktemp("reasoning-target")
     return build_tiny_target(folder, variant="reasoning")

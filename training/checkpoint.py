@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.layout import temp_path
+from pipeline.base.layout import temp_path
 from training.model import EMBED_PARAM, Eagle3Drafter
 
 MODEL_FILE = "model.safetensors"

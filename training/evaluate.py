@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.layout import atomic_write_json
+from pipeline.base.layout import atomic_write_json
 
 SPEC_PREFIX = "vllm:spec_decode_"
 

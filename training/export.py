@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from pipeline.layout import atomic_path, atomic_write_json
+from pipeline.base.layout import atomic_path, atomic_write_json
 from training.config import ARCHITECTURE_FLAGS
 from training.model import Eagle3Drafter, architecture_of
 

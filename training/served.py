@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.layout import atomic_write_json
+from pipeline.base.layout import atomic_write_json
 from training.evaluate import PromptFileError, measure_in_subprocess, read_prompts
 
 MIN_TOLERANCE = 0.01
@@ -67,7 +67,7 @@ def rows_for(target: str, prompts: Sequence[Sequence[int]], outputs: Sequence[Se
     """Extraction-contract rows (states by an HF forward of the target on CPU) of prompt + output."""
     import numpy as np
 
-    from pipeline.extract import capture, load_target
+    from pipeline.hidden.extract import capture, load_target
 
     model, _, _ = load_target(target, device="cpu", dtype="float32")
     rows = []

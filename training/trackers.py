@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.layout import atomic_write_json
+from pipeline.base.layout import atomic_write_json
 
 log = logging.getLogger("training.trackers")
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.layout import atomic_path, atomic_write
+from pipeline.base.layout import atomic_path, atomic_write
 from training.checkpoint import LocalCheckpoints, LoopState, load_checkpoint, save_checkpoint
 from training.config import DraftTrainConfig, resolve_aux_layer_ids
 from training.data import Batch, batches, shuffled, to_sample
@@ -279,7 +279,7 @@ def train_loop(
             trackers.log_metrics(state.step, metrics)
             if state.step % cfg.log_every == 0 or state.step == cfg.steps:
                 # a log record, not a print: in a Ray Train worker, print goes to Ray Train's logger and to stdout
-                # (one line twice); the pipeline's console shows the steps from metrics.jsonl (pipeline.console)
+                # (one line twice); the pipeline's console shows the steps from metrics.jsonl (pipeline.base.console)
                 accs = " ".join(f"{metrics[f'acc_{k}']:.2f}" for k in range(cfg.ttt_steps))
                 log.info("[drafter] step %d/%d loss %.3f acc [%s] %.0f tok/s lr %.2e", state.step, cfg.steps,
                          metrics["loss"], accs, metrics["tokens_per_s"], metrics["lr"])

@@ -7,11 +7,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.config import OpenRouterSourceConfig, SamplingConfig
-from pipeline.ledger import Ledger
-from pipeline.records import SAMPLE_COLUMNS, quarantine_row
-from pipeline.sources.http_engine import NOT_GENERATED, OK, QUARANTINED
-from pipeline.sources.openrouter import OpenRouterGenerator
+from pipeline.base.config import OpenRouterSourceConfig, SamplingConfig
+from pipeline.base.records import SAMPLE_COLUMNS, quarantine_row
+from pipeline.generate.ledger import Ledger
+from pipeline.generate.sources.http.engine import NOT_GENERATED, OK, QUARANTINED
+from pipeline.generate.sources.http.openrouter import OpenRouterGenerator
 
 
 def map_openrouter(ds: Any, cfg: OpenRouterSourceConfig, profile_name: str, model_dir: str | None, ledger: Any, *,

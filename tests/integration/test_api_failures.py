@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.ledger import read_journal
+from pipeline.generate.ledger import read_journal
 
 pytestmark = pytest.mark.slow
 

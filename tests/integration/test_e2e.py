@@ -13,9 +13,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import DatasetConfig, load_config
+from pipeline.base.config import DatasetConfig, load_config
+from pipeline.base.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA
 from pipeline.profiles import load_profile
-from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ MALFORMED = 7  # rows of the malformed file that cannot be read (tests/test_data
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, repo_root: Path, clean_target: Path, ray_session):
-    from pipeline.run import run
+    from pipeline.run.job import run
 
     out = tmp_path_factory.mktemp("run")
     cfg = load_config(repo_root / "configs" / "tiny_formats.yaml", base_dir=repo_root)
@@ -78,7 +78,7 @@ def test_clean_target_passes_every_check_and_only_malformed_rows_are_quarantined
 
 
 def test_audit_of_the_clean_run_passes_its_gate(tiny_run, tmp_path):
-    from pipeline.audit import main as audit_main
+    from pipeline.checks.audit import main as audit_main
 
     _, out, report = tiny_run
     assert audit_main([str(out / "samples"), "--json", str(tmp_path / "audit.json")]) == 0
@@ -135,7 +135,7 @@ def test_drafter_is_trained_and_exported(tiny_run):
 
 
 def test_status_of_the_finished_run_matches_its_report(tiny_run):
-    from pipeline.status import collect_status, format_status, is_finished
+    from pipeline.run.status import collect_status, format_status, is_finished
 
     cfg, _, report = tiny_run
     s = collect_status(cfg)
@@ -153,8 +153,8 @@ def test_status_of_the_finished_run_matches_its_report(tiny_run):
 
 
 def test_rerun_resumes_without_regenerating(tiny_run):
-    from pipeline.layout import RunLayout
-    from pipeline.run import finished_ids, read_prompts
+    from pipeline.base.layout import RunLayout
+    from pipeline.run.job import finished_ids, read_prompts
 
     cfg, out, report = tiny_run
     prompts, counts = read_prompts(cfg, RunLayout(out))
@@ -165,8 +165,8 @@ def test_rerun_resumes_without_regenerating(tiny_run):
 def test_rerun_with_other_sampling_or_target_is_refused(tiny_run, tmp_path):
     """The run's manifest pins what its samples were made with: a resume that would mix two
     distributions stops before any work, naming each difference, and writes nothing."""
-    from pipeline.manifest import MANIFEST_FILE, ManifestMismatch
-    from pipeline.run import run
+    from pipeline.run.job import run
+    from pipeline.run.manifest import MANIFEST_FILE, ManifestMismatch
 
     cfg, out, _ = tiny_run
     before = sorted(p.name for p in (out / "samples").iterdir())
@@ -186,7 +186,7 @@ def test_rerun_with_other_sampling_or_target_is_refused(tiny_run, tmp_path):
 def test_the_run_publishes_report_html_and_tensorboard_events(tiny_run):
     """report.html beside report.json with every figure; the drafter's TensorBoard events hold each training
     step and, at the last step, the report's data-side figures."""
-    from pipeline.report_html import FIGURE_IDS
+    from pipeline.report.html import FIGURE_IDS
     from tests.unit.test_trackers import read_scalars
 
     _, out, report = tiny_run

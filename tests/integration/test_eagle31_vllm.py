@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from pipeline.demo.tiny_reasoning import prompt_rows
 from pipeline.profiles import load_profile
-from pipeline.tiny_reasoning import prompt_rows
 from tests.helpers.training import load_hf_target, rows_from_target, torch_threads
 from training.config import DraftTrainConfig
 from training.export import export_draft

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.extract import capture_groups, extract_rows, load_target
+from pipeline.hidden.extract import capture_groups, extract_rows, load_target
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

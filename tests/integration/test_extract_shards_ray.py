@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.hidden_shards import (
+from pipeline.hidden.shards import (
     INDEX,
     completed_sample_ids,
     extract_to_shards,
@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _samples_parquet(path: Path, start: int, n: int, tiny_target: Path) -> None:
+    from pipeline.base.records import SAMPLE_SCHEMA, empty_sample
     from pipeline.profiles import load_profile
-    from pipeline.records import SAMPLE_SCHEMA, empty_sample
 
     profile = load_profile("deepseek", str(tiny_target))
     convs = [json.loads(line) for line in (REPO / "data/prompts/chat.jsonl").open()]
@@ -79,8 +79,8 @@ def test_extract_to_shards_resumes_and_feeds_ray_train(tmp_path, tiny_target, ra
     assert sample.aux_hidden.shape[1] == 3 * H and sample.loss_mask.any()
     # stream mode counts the draft vocab from the samples (the stream is not read for it): same tokens, same
     # masks, same truncation and quarantine as the extraction stage
-    from pipeline.handoff import draft_vocab_from_samples
-    from pipeline.layout import RunLayout
+    from pipeline.base.layout import RunLayout
+    from pipeline.hidden.handoff import draft_vocab_from_samples
     from training.vocab import count_loss_masked_tokens
 
     wide = vocab_from_dataset(ds, 129_280, 256)
@@ -105,8 +105,8 @@ def test_extract_to_shards_resumes_and_feeds_ray_train(tmp_path, tiny_target, ra
 def test_shards_mode_run_trains_on_all_but_the_held_out_samples(tmp_path, repo_root, clean_target, ray_session):
     """The main job with ``extraction.mode: shards``: every passed sample is extracted to shards, the held-out
     ones are left out of training (the saved draft vocabulary is the one of the other rows) and measured after."""
-    from pipeline.config import ChecksConfig, DatasetConfig, RunConfig, TransformersSourceConfig
-    from pipeline.run import run
+    from pipeline.base.config import ChecksConfig, DatasetConfig, RunConfig, TransformersSourceConfig
+    from pipeline.run.job import run
     from training.heldout import is_held_out
     from training.train import VOCAB_FILE, load_vocab
     from training.vocab import build_vocab_mapping

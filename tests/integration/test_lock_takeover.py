@@ -22,12 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.run_lock import HOST, LockHeld, RunLock, guard_path
+from pipeline.base.run_lock import HOST, LockHeld, RunLock, guard_path
 
 HOLDER = r"""
 import sys, time
 from pathlib import Path
-from pipeline.run_lock import LockLost, RunLock
+from pipeline.base.run_lock import LockLost, RunLock
 
 out = Path(sys.argv[1])
 markers = out / "markers"

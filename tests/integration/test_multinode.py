@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.ledger import read_journal
+from pipeline.generate.ledger import read_journal
 from tests.helpers.cluster import Nodes, WorkerNode, slow_steps
 from tests.integration.test_api_failures import (
     KEY,

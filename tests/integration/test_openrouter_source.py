@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import OpenRouterSourceConfig
-from pipeline.ledger import Ledger, ledger_for
-from pipeline.openrouter_server import RANDOM_FAULTS, CannedBackend, ServerConfig, serve_in_thread
+from pipeline.base.config import OpenRouterSourceConfig
+from pipeline.base.records import SAMPLE_COLUMNS
+from pipeline.demo.openrouter_server import RANDOM_FAULTS, CannedBackend, ServerConfig
+from pipeline.generate.ledger import Ledger, ledger_for
+from pipeline.generate.sources.http.openrouter import OpenRouterGenerator
 from pipeline.profiles import load_profile
-from pipeline.records import SAMPLE_COLUMNS
-from pipeline.sources.openrouter import OpenRouterGenerator
 from tests.helpers.http import local_ledger, map_openrouter, split_outcomes
 from tests.helpers.ledger import spent_from_samples
+from tests.helpers.server import serve_in_thread
 
 # Set at import, before any fixture starts Ray: actors inherit the environment Ray starts with.
 KEY_ENV = "OPENROUTER_TEST_SOURCE_KEY"
@@ -171,7 +172,7 @@ def test_every_fault_ends_in_its_class(profile, caplog):
 def test_cost_per_sample_sums_to_the_providers_own_bill(profile, tmp_path):
     """#27: each sample carries the dollars the provider billed for it (usage.cost, prompt tokens included), so
     spend per dataset is the provider's bill split by dataset -- checked against the server's own bill log."""
-    from pipeline.costs import cost_table
+    from pipeline.report.costs import cost_table
 
     rows = prompt_rows(10, dataset="shop") + prompt_rows(14, dataset="math")
     log = tmp_path / "bills.jsonl"
@@ -233,7 +234,7 @@ def test_missing_key_is_named_not_shown(monkeypatch):
 def _start_server_process(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
     log_path = tmp_path / "server.log"
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pipeline.openrouter_server import main; sys.exit(main(sys.argv[1:]))",
+        [sys.executable, "-m", "pipeline.demo.openrouter_server",
          "--port", "0", *args], stdout=subprocess.PIPE, stderr=log_path.open("w"), text=True,
         cwd=Path(__file__).resolve().parents[2])
     deadline = time.time() + 120
@@ -372,8 +373,8 @@ def test_cut_bodies_under_a_tight_budget_never_overbill(profile):
 def test_journaled_responses_are_replayed_not_paid_again(profile, tmp_path):
     """Every paid answer is journaled as it arrives; a new attempt handed the journal rebuilds those samples
     without a request (same ids as the first time), and asks only for the rest."""
-    from pipeline.layout import RunLayout
-    from pipeline.sources.http_journal import billed_by_dataset, load_responses
+    from pipeline.base.layout import RunLayout
+    from pipeline.generate.sources.http.journal import billed_by_dataset, load_responses
 
     rows = prompt_rows(12)
     with serve_in_thread(ServerConfig(seed=2), CannedBackend(2, profile)) as (url, server):
@@ -420,9 +421,9 @@ def test_a_prompt_that_keeps_failing_is_quarantined_after_transient_runs_runs(pr
     that failed because the whole API was down journal nothing (an outage says nothing about them)."""
     import socket
 
-    from pipeline.config import RunConfig
-    from pipeline.layout import RunLayout
-    from pipeline.run import worn_out
+    from pipeline.base.config import RunConfig
+    from pipeline.base.layout import RunLayout
+    from pipeline.run.job import worn_out
 
     rows = prompt_rows(8, markers={2: "always-502"})
     with serve_in_thread(ServerConfig(seed=6), CannedBackend(2, profile)) as (url, _server):

@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.profiles import load_profile
 from pipeline.profiles.base import tool_call
-from pipeline.reconstruct import oracle_report
+from tests.helpers.oracle import oracle_report
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 
-from pipeline.config import (
+from pipeline.base.config import (
     DatasetConfig,
     RoutingConfig,
     SamplingConfig,
@@ -23,14 +23,14 @@ from pipeline.config import (
     TransformersSourceConfig,
     VLLMSourceConfig,
 )
-from pipeline.datasets import load_dataset
-from pipeline.flight import FLIGHT_SCHEMA, batch_to_rows, rows_to_table
-from pipeline.router import build_router
-from pipeline.sources.chain import engine_resources, release_placement_groups
-from pipeline.sources.engine import START_FAILED, start_error_text
-from pipeline.sources.transformers_source import TransformersGenerator
-from pipeline.sources.vllm_source import VLLMGenerator
-from pipeline.stages import RenderPrompts
+from pipeline.base.flight import FLIGHT_SCHEMA, batch_to_rows, rows_to_table
+from pipeline.generate.router import build_router
+from pipeline.generate.sources.chain import engine_resources, release_placement_groups
+from pipeline.generate.sources.engines.base import START_FAILED, start_error_text
+from pipeline.generate.sources.engines.transformers_source import TransformersGenerator
+from pipeline.generate.sources.engines.vllm_source import VLLMGenerator
+from pipeline.generate.stages import RenderPrompts
+from pipeline.prompts.datasets import load_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -241,7 +241,7 @@ def test_engine_pool_scales_up_to_max_actors_each_starting_once(repo_root, clean
     import ray.data
     from ray.util.state import list_actors
 
-    from pipeline.sources.chain import map_routed
+    from pipeline.generate.sources.chain import map_routed
 
     actor_class = "MapWorker(MapBatches(TransformersGenerator))"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import (
+from pipeline.base.config import (
     ChecksConfig,
     DatasetConfig,
     OpenRouterSourceConfig,
@@ -24,12 +24,13 @@ from pipeline.config import (
     TransformersSourceConfig,
     VLLMSourceConfig,
 )
-from pipeline.datasets import load_dataset
-from pipeline.openrouter_server import ServerConfig, TransformersBackend, serve_in_thread
+from pipeline.demo.openrouter_server import ServerConfig, TransformersBackend
+from pipeline.generate.router import build_router
+from pipeline.generate.sources.chain import map_routed, reroute_overrides
+from pipeline.generate.stages import RenderPrompts
 from pipeline.profiles import load_profile
-from pipeline.router import build_router
-from pipeline.sources.chain import map_routed, reroute_overrides
-from pipeline.stages import RenderPrompts
+from pipeline.prompts.datasets import load_dataset
+from tests.helpers.server import serve_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +138,7 @@ def shard_rows(folder: Path) -> list[dict]:
 
 
 def test_a_source_that_fails_to_start_loses_no_prompt(repo_root, tiny_target, ray_session, tmp_path):
-    from pipeline.run import run
+    from pipeline.run.job import run
 
     lenient = ChecksConfig(**dict.fromkeys(("structure", "roundtrip_rebuilt", "tool_semantics", "repetition",
                                             "max_length"), "flag"))  # the tiny model's text is not the point
@@ -177,7 +178,7 @@ def test_overflow_spills_prompts_a_late_local_engine_has_not_started(repo_root, 
     """The local source's declared capacity claims every prompt, but the deadline passes while its engine
     loads: the API takes them all. With no API budget the spilled prompts come back and the local engine
     serves them late. Either way every prompt is served exactly once."""
-    from pipeline.run import run
+    from pipeline.run.job import run
 
     lenient = ChecksConfig(**dict.fromkeys(("structure", "roundtrip_rebuilt", "tool_semantics", "repetition",
                                             "max_length"), "flag"))

@@ -12,12 +12,12 @@ import json
 
 import torch
 
-from pipeline.config import ChecksConfig
+from pipeline.base.config import ChecksConfig
+from pipeline.checks.validate import validate_sample
+from pipeline.demo.tiny_domain import conversations, prompt_rows
+from pipeline.demo.tiny_model import EOS_ID, built_variant, tiny_config
+from pipeline.demo.tiny_trained import HELDOUT_SEED, build_weights, encode
 from pipeline.profiles import load_profile
-from pipeline.tiny_domain import conversations, prompt_rows
-from pipeline.tiny_model import EOS_ID, built_variant, tiny_config
-from pipeline.tiny_trained import HELDOUT_SEED, build_weights, encode
-from pipeline.validate import validate_sample
 
 
 def _model(path):

@@ -76,7 +76,7 @@ def test_ray_train_restarts_killed_worker_from_checkpoint(tmp_path, ray_session,
 def test_heldout_acceptance_of_the_export_equals_the_in_memory_drafter(tmp_path):
     """Export -> load -> simulate gives the trained drafter's figure; bf16-bit rows (the compact extraction
     format) decode to nearly the same figure."""
-    from pipeline.hidden_shards import to_bf16_bits
+    from pipeline.hidden.shards import to_bf16_bits
     from training.heldout import heldout_acceptance
     from training.target import read_target_config
 

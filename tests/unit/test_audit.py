@@ -10,7 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.audit import (
+from pipeline.base.config import ChecksConfig
+from pipeline.base.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, quarantine_row
+from pipeline.checks.audit import (
     AuditAccumulator,
     ShardError,
     audit_samples,
@@ -21,10 +23,8 @@ from pipeline.audit import (
     sample_shards,
     summary_lines,
 )
-from pipeline.audit_html import histogram_bins, render_html
-from pipeline.config import ChecksConfig
-from pipeline.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, quarantine_row
-from pipeline.validate import validate_sample
+from pipeline.checks.audit_html import histogram_bins, render_html
+from pipeline.checks.validate import validate_sample
 from tests.unit.test_validate import CFG, WEATHER, P, _noncanonical, api_sample, engine_sample, good_ids
 
 LONG = " ".join(f"step {i} of the plan" for i in range(60))
@@ -277,9 +277,9 @@ def test_html_escapes_names_and_handles_no_billing() -> None:
 
 def test_the_run_audit_judges_each_dataset_by_its_own_checks():
     """Two datasets with different billing thresholds: each sample's outlier call uses its own dataset's."""
-    from pipeline.config import ChecksConfig, DatasetConfig
-    from pipeline.report import audit_for
-    from pipeline.validate import Verdict
+    from pipeline.base.config import ChecksConfig, DatasetConfig
+    from pipeline.checks.validate import Verdict
+    from pipeline.report.summary import audit_for
 
     strict = ChecksConfig(billing="off", billing_abs_threshold=1, billing_rel_threshold=0.0)
     loose = ChecksConfig(billing="off", billing_abs_threshold=100, billing_rel_threshold=5.0)

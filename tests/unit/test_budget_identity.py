@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from pipeline.config import RunConfig
-from pipeline.layout import RunLayout
-from pipeline.run import restored_spend
+from pipeline.base.config import RunConfig
+from pipeline.base.layout import RunLayout
+from pipeline.run.job import restored_spend
 
 
 def cfg_(tmp_path, name: str = "api", **src) -> RunConfig:

@@ -34,8 +34,8 @@ def test_cluster_yaml_validation_rejects_unknown_keys(repo_root: Path):
 
 
 def test_kimi_production_config_validates(repo_root: Path):
-    from pipeline.config import load_config
-    from pipeline.router import build_router
+    from pipeline.base.config import load_config
+    from pipeline.generate.router import build_router
 
     cfg = load_config(repo_root / "configs" / "kimi_k25.yaml", check_paths=False)
     assert cfg.model.profile == "kimi-k2.5"
@@ -53,7 +53,7 @@ def test_kimi_production_config_validates(repo_root: Path):
 
 
 def test_check_command_reports_missing_paths(repo_root: Path):
-    from pipeline.cli import main
+    from pipeline.run.cli import main
 
     assert main(["check", str(repo_root / "configs" / "kimi_k25.yaml"), "--no-paths"]) == 0
     assert main(["check", str(repo_root / "configs" / "kimi_k25.yaml")]) == 2

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.base.config import ConfigError, RunConfig, load_config
 from training.config import DraftTrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -364,7 +364,7 @@ def test_budget_values_and_helpers(workdir):
 
 
 def test_budget_identity_follows_model_endpoint_and_scope_not_name():
-    from pipeline.config import OpenRouterSourceConfig as Src
+    from pipeline.base.config import OpenRouterSourceConfig as Src
 
     base = Src(model="m").identity()
     assert len(base) == 16 and int(base, 16) >= 0
@@ -387,7 +387,7 @@ def test_source_names_that_cannot_be_file_names_are_refused(workdir, name):
 
 
 def test_safe_names_pass_and_the_layout_refuses_unsafe_ones_anyway(workdir):
-    from pipeline.layout import RunLayout
+    from pipeline.base.layout import RunLayout
 
     assert load_config(_write(workdir, _with_api(name="api-2.v_1", **CAPPED)), base_dir=workdir)
     assert RunLayout("/o").ledger("api-2.v_1") == Path("/o/ledger-api-2.v_1.json")
@@ -421,8 +421,8 @@ def test_unknown_profile_lists_the_registry(workdir):
 def test_the_source_union_is_the_registry():
     from typing import get_args
 
-    from pipeline.config import SourceConfig
-    from pipeline.sources.registry import SOURCES
+    from pipeline.base.config import SourceConfig
+    from pipeline.generate.sources.registry import SOURCES
 
     union = get_args(get_args(SourceConfig)[0])
     assert set(union) == {k.config for k in SOURCES.values()}
@@ -485,7 +485,7 @@ def test_run_refuses_an_unreadable_dataset_before_ray_starts(tmp_path):
 def test_target_ids_are_stored_unless_a_tp_engine_extracts():
     """The argmax ids come from the extraction device; a vLLM engine with TP > 1 leaves its actor no GPU, so
     unset means off there, and asking for them there is refused with the reason."""
-    from pipeline.config import ExtractionConfig
+    from pipeline.base.config import ExtractionConfig
 
     assert ExtractionConfig().stores_target_ids and not ExtractionConfig(target_ids=False).stores_target_ids
     tp = {"backend": "vllm", "tensor_parallel_size": 8, "num_gpus": 8}
@@ -497,8 +497,8 @@ def test_target_ids_are_stored_unless_a_tp_engine_extracts():
 def test_every_tiny_variant_the_builder_knows_is_a_valid_config_value():
     from typing import get_args
 
-    from pipeline.config import ModelConfig
-    from pipeline.tiny_model import VARIANTS
+    from pipeline.base.config import ModelConfig
+    from pipeline.demo.tiny_model import VARIANTS
 
     assert set(get_args(ModelConfig.model_fields["tiny_variant"].annotation)) == set(VARIANTS)
     reasoning = load_config(ROOT / "configs" / "tiny_reasoning.yaml", base_dir=ROOT, check_paths=False)

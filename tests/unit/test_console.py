@@ -1,4 +1,5 @@
-"""The console's text (pipeline.console) and where logs go (pipeline.logs): pure functions, a writer on a buffer."""
+"""The console's text (pipeline.base.console) and where logs go (pipeline.base.logs): pure functions, a writer on
+a buffer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from pipeline.console import (
+from pipeline.base.console import (
     Console,
     ExtractWatch,
     GenerateSnapshot,
@@ -29,8 +30,8 @@ from pipeline.console import (
     spend_text,
     train_line,
 )
-from pipeline.layout import RunLayout
-from pipeline.logs import Repeats, RunLogs, component_of, repeat_key, worker_component
+from pipeline.base.layout import RunLayout
+from pipeline.base.logs import Repeats, RunLogs, component_of, repeat_key, worker_component
 from training.config import DraftTrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,7 +93,7 @@ def test_header_lines():
 
 
 def test_the_header_says_what_trains_and_when_training_is_only_defaulted():
-    from pipeline.config import load_config
+    from pipeline.base.config import load_config
 
     lines = header_lines("c.yaml", [("chat", 20)], ["s"], "/o", 0, 20, None, "80 steps, 3 TTT steps")
     assert lines[3] == "  training  80 steps, 3 TTT steps"
@@ -114,7 +115,7 @@ def test_describe_source_from_any_config():
 
 def test_read_spend_from_ledger_journals(tmp_path: Path):
     """Both journal layouts: the ledger's own (format 2, tokens and dollars) and the first one."""
-    from pipeline.ledger import Ledger, read_spend
+    from pipeline.generate.ledger import Ledger, read_spend
 
     layout = RunLayout(tmp_path)
     ledger = Ledger(budgets={"chat": 20_000, "code": 14_000}, journal=str(layout.ledger("api")))
@@ -198,7 +199,7 @@ def test_console_phase_clears_its_line_on_failure():
 
 
 def test_components_and_worker_files():
-    assert component_of("pipeline.run") == component_of("training.train") == "pipeline"
+    assert component_of("pipeline.run.job") == component_of("training.train") == "pipeline"
     assert component_of("ray.data._internal.logging") == "ray" and component_of("raylet") == "other"
     assert component_of("vllm.v1.engine") == "vllm" and component_of("huggingface_hub.file") == "transformers"
     assert component_of("py.warnings") == "warnings"
@@ -233,8 +234,8 @@ def test_run_logs_route_records_to_component_files(tmp_path: Path):
     try:
         noisy.warning("kv cache is small")
         noisy.warning("kv cache is small")
-        logging.getLogger("pipeline.datasets").warning("dataset 'x' holds no rows")
-        logging.getLogger("pipeline.datasets").debug("a debug line of ours")
+        logging.getLogger("pipeline.prompts.datasets").warning("dataset 'x' holds no rows")
+        logging.getLogger("pipeline.prompts.datasets").debug("a debug line of ours")
         logging.getLogger("ray.data").debug("Ray Data's debug chatter")
         logging.getLogger("ray.data").info("execution finished")
         import warnings

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from pipeline.config import SGLangSourceConfig, TransformersSourceConfig, VLLMSourceConfig
-from pipeline.costs import cost_line, cost_table, engine_prices, sample_usd
-from pipeline.sources.engine import busy_shares
+from pipeline.base.config import SGLangSourceConfig, TransformersSourceConfig, VLLMSourceConfig
+from pipeline.generate.sources.engines.base import busy_shares
+from pipeline.report.costs import cost_line, cost_table, engine_prices, sample_usd
 
 
 def test_busy_time_is_split_by_tokens_and_adds_up():
@@ -82,8 +82,8 @@ def _shard(path, rows, schema=None):
 
 
 def test_a_shard_from_before_engine_time_reads_as_unknown_and_other_gaps_still_refuse(tmp_path):
-    from pipeline.config import UnreadableFile
-    from pipeline.records import read_rows
+    from pipeline.base.config import UnreadableFile
+    from pipeline.base.records import read_rows
 
     _shard(tmp_path / "samples" / "a.parquet", [{"sample_id": "x", "dataset": "d", "cost": 0.5}])
     assert read_rows(tmp_path / "samples", ["sample_id", "cost", "engine_s"]) == [
@@ -93,11 +93,11 @@ def test_a_shard_from_before_engine_time_reads_as_unknown_and_other_gaps_still_r
 
 
 def test_status_and_report_give_spend_per_dataset_priced_by_the_source(repo_root, tmp_path):
-    from pipeline.config import load_config
-    from pipeline.layout import RunLayout
-    from pipeline.records import SAMPLE_SCHEMA, empty_sample
-    from pipeline.report import cost_lines
-    from pipeline.status import collect_status, format_status
+    from pipeline.base.config import load_config
+    from pipeline.base.layout import RunLayout
+    from pipeline.base.records import SAMPLE_SCHEMA, empty_sample
+    from pipeline.report.summary import cost_lines
+    from pipeline.run.status import collect_status, format_status
 
     cfg = load_config(repo_root / "configs" / "tiny_formats.yaml", base_dir=repo_root, check_paths=False)
     cfg.output_dir = str(tmp_path / "out")

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import DatasetConfig
-from pipeline.datasets import DatasetError, Prompt, RowError, load_dataset, parse_row, sample_id
+from pipeline.base.config import DatasetConfig
+from pipeline.prompts.datasets import DatasetError, Prompt, RowError, load_dataset, parse_row, sample_id
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "data" / "prompts"

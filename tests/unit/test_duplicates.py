@@ -8,10 +8,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.audit import main as audit_main
-from pipeline.layout import RunLayout
-from pipeline.records import SAMPLE_SCHEMA, extra_copies, read_samples
-from pipeline.stages import WriteShards
+from pipeline.base.layout import RunLayout
+from pipeline.base.records import SAMPLE_SCHEMA, extra_copies, read_samples
+from pipeline.checks.audit import main as audit_main
+from pipeline.generate.stages import WriteShards
 from tests.unit.test_run_lock import _batch, _flight, _ids
 
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.extract import (
+from pipeline.hidden.extract import (
     HIDDEN_CONVENTION,
     Captured,
     HiddenStateExtractor,

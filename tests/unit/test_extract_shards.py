@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.extract import capture, load_target
-from pipeline.hidden_shards import (
+from pipeline.hidden.extract import capture, load_target
+from pipeline.hidden.shards import (
     INDEX,
     _load_shard_block,
     build_index,

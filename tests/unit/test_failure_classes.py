@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.ledger import Ledger
-from pipeline.sources.http_circuit import Circuit
-from pipeline.sources.http_wire import interpret
+from pipeline.generate.ledger import Ledger
+from pipeline.generate.sources.http.circuit import Circuit
+from pipeline.generate.sources.http.wire import interpret
 
 
 @pytest.mark.parametrize("status,cls", [(400, "sample"), (401, "account"), (402, "account"), (403, "account"),

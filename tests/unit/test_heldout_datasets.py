@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import load_config
-from pipeline.console import heldout_line
-from pipeline.layout import RunLayout
-from pipeline.report import format_report, heldout_breakdown_lines
-from pipeline.report_html import render_report_html
-from pipeline.status import collect_status, format_status
+from pipeline.base.config import load_config
+from pipeline.base.console import heldout_line
+from pipeline.base.layout import RunLayout
+from pipeline.report.html import render_report_html
+from pipeline.report.summary import format_report, heldout_breakdown_lines
+from pipeline.run.status import collect_status, format_status
 from tests.unit.test_report_html import NS, SVG
 from tests.unit.test_training import fake_rows, small_drafter
 from training.heldout import FEW_DRAFTS, acceptance_se, group_acceptance, heldout_acceptance, sample_label

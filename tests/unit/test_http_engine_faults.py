@@ -11,13 +11,14 @@ from collections import Counter
 
 import pytest
 
-from pipeline.config import OpenRouterSourceConfig
-from pipeline.ledger import Ledger
-from pipeline.openrouter_server import CannedBackend, ServerConfig, serve_in_thread
+from pipeline.base.config import OpenRouterSourceConfig
+from pipeline.demo.openrouter_server import CannedBackend, ServerConfig
+from pipeline.generate.ledger import Ledger
+from pipeline.generate.sources.http.engine import key_may_go_to
+from pipeline.generate.sources.http.journal import JournalError
+from pipeline.generate.sources.http.openrouter import OpenRouterGenerator
 from pipeline.profiles import load_profile
-from pipeline.sources.http_engine import key_may_go_to
-from pipeline.sources.http_journal import JournalError
-from pipeline.sources.openrouter import OpenRouterGenerator
+from tests.helpers.server import serve_in_thread
 
 KEY_ENV = "HTTP_ENGINE_FAULTS_KEY"
 KEY = "sk-or-v1-enginefaults-0a1b2c3d4e5f6a7b"
@@ -203,8 +204,8 @@ def test_a_new_actor_replays_what_another_actor_of_the_folder_was_billed_for(pro
 
 
 def test_a_failure_billed_in_dollars_only_is_settled_not_released(profile, monkeypatch):
-    from pipeline.sources import http_engine
-    from pipeline.sources.http_wire import Failure
+    from pipeline.generate.sources.http import engine as http_engine
+    from pipeline.generate.sources.http.wire import Failure
 
     def billed_error(status, raw, retry_after):  # finish_reason "error", 0 completion tokens, usage.cost 0.004
         return Failure("in_band", "finish_reason error: upstream", True, 200, None, "P", 0, 0.004)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.layout import RunLayout
-from pipeline.sources import http_journal
-from pipeline.sources.http_journal import (
+from pipeline.base.layout import RunLayout
+from pipeline.generate.sources.http import journal as http_journal
+from pipeline.generate.sources.http.journal import (
     JournalError,
     Record,
     ResponseJournal,
@@ -292,7 +292,7 @@ def test_fsync_failure_stops_the_journal(tmp_path: Path, monkeypatch: pytest.Mon
 
 CHILD = """
 import sys
-from pipeline.sources.http_journal import Record, ResponseJournal
+from pipeline.generate.sources.http.journal import Record, ResponseJournal
 j = ResponseJournal(sys.argv[1], flush_every_s=0.2)
 i = 0
 while True:

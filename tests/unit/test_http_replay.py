@@ -3,8 +3,8 @@ by source name or by identity."""
 
 from __future__ import annotations
 
-from pipeline.sources.http_journal import Record
-from pipeline.sources.http_replay import ReplayIndex
+from pipeline.generate.sources.http.journal import Record
+from pipeline.generate.sources.http.replay import ReplayIndex
 
 
 def rec(i: int, source: str = "api", identity: str = "", kind: str = "response") -> Record:

@@ -84,10 +84,10 @@ def test_no_import_cycle_among_project_modules():
     graph = {m: imports_of(p, set(mods)) - {m} for m, p in mods.items()}
     assert cycles(graph) == []
     # the schema layer imports nothing of the runtime
-    runtime = {m for m in mods if m.startswith(("pipeline.sources", "pipeline.run", "pipeline.stages",
-                                                "pipeline.router", "pipeline.ledger", "pipeline.extract"))}
-    assert not (graph["pipeline.config"] & runtime)
-    assert graph["pipeline.router"] <= {"pipeline.config", "pipeline.sources.registry"}
+    runtime = {m for m in mods if m.startswith(("pipeline.generate", "pipeline.hidden", "pipeline.run.",
+                                                "pipeline.report"))}
+    assert not (graph["pipeline.base.config"] & runtime)
+    assert graph["pipeline.generate.router"] <= {"pipeline.base.config", "pipeline.generate.sources.registry"}
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -96,7 +96,7 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_no_branching_on_source_kind_outside_the_registry():
     """No comparison of anything with a source kind's name ("vllm", "openrouter", ...) outside the registry."""
-    from pipeline.sources.registry import SOURCES
+    from pipeline.generate.sources.registry import SOURCES
 
     def names_a_kind(node: ast.AST) -> bool:
         return any(isinstance(c, ast.Constant) and c.value in SOURCES for c in ast.walk(node))
@@ -107,7 +107,7 @@ def test_no_branching_on_source_kind_outside_the_registry():
 
     offenders = []
     for name, path in project_modules().items():
-        if name == "pipeline.sources.registry":
+        if name == "pipeline.generate.sources.registry":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
@@ -123,3 +123,53 @@ def test_every_module_imports_cold():
     code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
     res = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+# The floors of pipeline/, in the order data flows; each imports only the floors it names (imports inside
+# functions count; ``if TYPE_CHECKING`` blocks do not). run/ is the top: the job, the CLI, status.
+FLOORS: dict[str, set[str]] = {
+    "profiles": set(),                                       # chat formats and tokenizers: pure
+    "base": {"profiles"},                                    # config, records, layout, logs, console, run lock
+    "prompts": {"base", "profiles"},                         # dataset files in
+    "checks": {"base", "profiles"},                          # reconstruction, validation, audit
+    "report": {"checks", "base", "profiles"},                # tally, report, costs, report.html
+    "generate": {"checks", "base", "profiles"},              # stages, routing, budgets, sources
+    "hidden": {"generate", "report", "checks", "base", "profiles"},  # extraction, hand-off to training
+    "demo": {"base", "profiles"},                            # tiny targets, the stand-in server
+    "run": {"hidden", "generate", "report", "checks", "prompts", "base", "profiles", "demo"},
+}
+# training/ reads the run folder's paths (base) and captures hidden states with the extraction's loader.
+TRAINING_MAY_IMPORT = {"base", "hidden", "profiles"}
+
+
+def floor_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pipeline" and len(parts) > 1 and parts[1] in FLOORS else None
+
+
+def test_every_pipeline_module_sits_on_a_floor():
+    loose = [m for m in project_modules() if m.startswith("pipeline.") and floor_of(m) is None]
+    assert loose == ["pipeline.__main__"]  # `python -m pipeline`: the CLI's entry point, above every floor
+
+
+def test_each_floor_imports_only_the_floors_below_it():
+    mods = project_modules()
+    offenders = []
+    for name, path in mods.items():
+        here = floor_of(name) if name.startswith("pipeline.") else "training"
+        if here is None:
+            continue
+        allowed = TRAINING_MAY_IMPORT if here == "training" else FLOORS[here] | {here}
+        for dep in imports_of(path, set(mods)):
+            there = floor_of(dep)
+            if dep.startswith("pipeline.") and there not in allowed:
+                offenders.append(f"{name} ({here}) imports {dep} ({there})")
+    assert offenders == []
+
+
+def test_the_floor_check_catches_an_upward_import(tmp_path):
+    """generate/ importing hidden/ (inside a function, as lazy imports are) is caught."""
+    f = tmp_path / "mod.py"
+    f.write_text("def g():\n    from pipeline.hidden.extract import capture\n")
+    deps = imports_of(f, {"pipeline.hidden.extract", "pipeline.generate.stages"})
+    assert deps == {"pipeline.hidden.extract"} and floor_of("pipeline.hidden.extract") not in FLOORS["generate"]

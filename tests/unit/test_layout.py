@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.layout import RunLayout, atomic_path, atomic_write, atomic_write_json, atomic_write_table, temp_path
+from pipeline.base.layout import RunLayout, atomic_path, atomic_write, atomic_write_json, atomic_write_table, temp_path
 
 
 def test_temp_names_are_hidden_and_beside_the_target(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import HealthConfig
-from pipeline.ledger import (
+from pipeline.base.config import HealthConfig
+from pipeline.generate.ledger import (
     BudgetExceeded,
     BudgetLedger,
     Ledger,
@@ -151,7 +151,7 @@ def test_spent_from_samples():
 
 
 def test_journal_counts_in_flight_reservations_as_spent_on_restore(tmp_path):
-    from pipeline.ledger import Ledger, read_journal
+    from pipeline.generate.ledger import Ledger, read_journal
 
     journal = str(tmp_path / "ledger.json")
     first = Ledger({"d": 100}, journal=journal)
@@ -279,7 +279,7 @@ def test_dollar_budget_never_exceeded_even_when_holders_die(budget, asks, lapse)
 
 
 def test_journal_v2_restores_dollars_too(tmp_path):
-    from pipeline.ledger import read_journal_both
+    from pipeline.generate.ledger import read_journal_both
 
     journal = str(tmp_path / "ledger.json")
     first = Ledger(budgets_usd={"d": 1.0}, journal=journal)
@@ -332,7 +332,7 @@ def test_a_probe_takes_what_priced_requests_leave():
 
 
 def test_a_ledger_whose_run_lost_its_lock_grants_nothing_and_leaves_the_journal_alone(tmp_path):
-    from pipeline.run_lock import RunLock
+    from pipeline.base.run_lock import RunLock
 
     journal = str(tmp_path / "ledger-api.json")
     lock = RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0).acquire()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import OpenRouterSourceConfig, load_config
-from pipeline.manifest import (
+from pipeline.base.config import OpenRouterSourceConfig, load_config
+from pipeline.run.manifest import (
     MANIFEST_FILE,
     ManifestMismatch,
     check_or_write_manifest,
@@ -88,7 +88,7 @@ def test_folder_without_samples_takes_the_new_settings(cfg):
 
 
 def test_large_weights_are_fingerprinted_by_size(tmp_path, monkeypatch):
-    import pipeline.manifest as manifest
+    import pipeline.run.manifest as manifest
 
     (tmp_path / "model-00001.safetensors").write_bytes(b"\x00" * 100)
     monkeypatch.setattr(manifest, "FULL_HASH_LIMIT", 10)

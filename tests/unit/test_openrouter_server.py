@@ -11,7 +11,8 @@ import urllib.request
 
 import pytest
 
-from pipeline.openrouter_server import (
+from pipeline.checks.reconstruct import rebuild_from_response, rebuild_ids
+from pipeline.demo.openrouter_server import (
     ANSWER_VARIANTS,
     CannedBackend,
     ServerConfig,
@@ -22,14 +23,13 @@ from pipeline.openrouter_server import (
     make_backend,
     parse_args,
     route,
-    serve_in_thread,
     sized_text,
     split_generated,
 )
+from pipeline.generate.sources.http.wire import Failure, Reply, interpret
 from pipeline.profiles import load_profile
 from pipeline.profiles.base import Completion
-from pipeline.reconstruct import rebuild_from_response, rebuild_ids
-from pipeline.sources.http_wire import Failure, Reply, interpret
+from tests.helpers.server import serve_in_thread
 
 KEY_ENV = "OPENROUTER_TEST_SERVER_KEY"
 KEY = "sk-or-v1-servertest-0123456789abcdef"

@@ -9,12 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.config import OpenRouterSourceConfig, ProviderPreferences, SamplingConfig
-from pipeline.profiles import load_profile
-from pipeline.profiles.base import Completion
-from pipeline.reconstruct import rebuild_ids
-from pipeline.sources.http_engine import Secret, request_options
-from pipeline.sources.http_wire import (
+from pipeline.base.config import OpenRouterSourceConfig, ProviderPreferences, SamplingConfig
+from pipeline.checks.reconstruct import rebuild_ids
+from pipeline.generate.sources.http.engine import Secret, request_options
+from pipeline.generate.sources.http.wire import (
     FATAL_STATUS,
     RETRYABLE_STATUS,
     Failure,
@@ -29,6 +27,8 @@ from pipeline.sources.http_wire import (
     parse_retry_after,
     redact,
 )
+from pipeline.profiles import load_profile
+from pipeline.profiles.base import Completion
 
 MSGS = [{"role": "user", "content": "hi"}]
 OPTS = RequestOptions(model="m", max_tokens=64, temperature=0.7, top_p=0.9, seed=5)
@@ -320,7 +320,7 @@ def test_odd_costs_read_as_zero_and_keep_the_count(cost):
 
 
 def test_non_finite_and_huge_numbers_from_a_lenient_codec(monkeypatch):
-    import pipeline.sources.http_wire as wire
+    import pipeline.generate.sources.http.wire as wire
 
     monkeypatch.setattr(wire, "loads", json.loads)  # the stdlib codec reads NaN, Infinity and big integers
     raw = json.dumps(ok_body(usage={"completion_tokens": float("nan"), "cost": float("inf")}))

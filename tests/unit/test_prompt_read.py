@@ -16,8 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import DatasetConfig, UnreadableFile, load_config
-from pipeline.datasets import (
+from pipeline.base.config import DatasetConfig, UnreadableFile, load_config
+from pipeline.base.layout import RunLayout
+from pipeline.base.records import QUARANTINE_SCHEMA, quarantine_row, read_rows
+from pipeline.prompts.datasets import (
     DatasetError,
     _split_lines,
     check_dataset,
@@ -25,8 +27,7 @@ from pipeline.datasets import (
     iter_dataset,
     load_dataset,
 )
-from pipeline.layout import RunLayout
-from pipeline.prompt_read import (
+from pipeline.prompts.read import (
     PROMPT_SCHEMA,
     TO_DO,
     PromptSet,
@@ -39,7 +40,6 @@ from pipeline.prompt_read import (
     row_blocks,
     todo_rows,
 )
-from pipeline.records import QUARANTINE_SCHEMA, quarantine_row, read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 MALFORMED = ROOT / "tests" / "data" / "malformed_messages.jsonl"
@@ -295,7 +295,7 @@ def test_a_broken_file_fails_the_index_pass_with_its_own_error(ray_session, run_
 
 
 def test_read_prompts_holds_counts_not_rows(ray_session, run_cfg, tmp_path):
-    from pipeline.run import read_prompts
+    from pipeline.run.job import read_prompts
 
     big = tmp_path / "big.jsonl"
     big.write_text("".join(json.dumps(_user("x" * 200 + str(i))) + "\n" for i in range(3000)))

@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from pipeline.profiles import PROFILE_NAMES, load_profile
-from pipeline.profiles.base import Completion, Profile, tool_call
-from pipeline.reconstruct import (
+from pipeline.checks.reconstruct import (
     completion_from_message,
-    oracle_report,
     rebuild_from_response,
     rebuild_ids,
     response_text,
 )
+from pipeline.profiles import PROFILE_NAMES, load_profile
+from pipeline.profiles.base import Completion, Profile, tool_call
+from tests.helpers.oracle import oracle_report
 
 CALL = tool_call("get_weather", '{"city": "Paris"}', "functions.get_weather:0")
 

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.checks.reconstruct import default_reading, rebuild_ids, response_segments, response_text
 from pipeline.profiles import PROFILE_NAMES, load_profile
 from pipeline.profiles.base import Completion, Profile, tool_call
-from pipeline.reconstruct import default_reading, rebuild_ids, response_segments, response_text
 
 PROFILES = {name: load_profile(name) for name in PROFILE_NAMES}
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -15,12 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import ChecksConfig
+from pipeline.base.config import ChecksConfig
+from pipeline.base.records import empty_sample
+from pipeline.checks.reconstruct import default_reading, rebuild_ids, response_text
+from pipeline.checks.validate import validate_sample
 from pipeline.profiles import PROFILE_NAMES, load_profile
 from pipeline.profiles.base import Completion, Profile, tool_call
-from pipeline.reconstruct import default_reading, oracle_report, rebuild_ids, response_text
-from pipeline.records import empty_sample
-from pipeline.validate import validate_sample
+from tests.helpers.oracle import oracle_report
 
 PROFILES = {name: load_profile(name) for name in PROFILE_NAMES}
 SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.audit import AuditAccumulator
-from pipeline.config import ChecksConfig
-from pipeline.layout import RunLayout
-from pipeline.report import Tally, format_report
-from pipeline.report_html import FIGURE_IDS, nice_ticks, render_report_html, write_report_html
-from pipeline.throughput import record, windowed_rates
+from pipeline.base.config import ChecksConfig
+from pipeline.base.layout import RunLayout
+from pipeline.checks.audit import AuditAccumulator
+from pipeline.report.html import FIGURE_IDS, nice_ticks, render_report_html, write_report_html
+from pipeline.report.summary import Tally, format_report
+from pipeline.report.throughput import record, windowed_rates
 
 SVG = re.compile(r"<svg\b.*?</svg>", re.S)
 
@@ -110,7 +110,7 @@ def test_the_heldout_figure_sets_the_served_figure_beside_the_simulated_one():
 
 
 def test_the_billing_section_tables_spend_per_dataset_and_source():
-    from pipeline.costs import cost_table
+    from pipeline.report.costs import cost_table
 
     report = full_report()
     rows = [{"dataset": "chat", "source": "api", "cost": 0.25, "output_ids": [1, 2]},

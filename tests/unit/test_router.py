@@ -9,11 +9,11 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from pipeline.config import RoutingConfig
-from pipeline.flight import FLIGHT_SCHEMA, fail_row, rows_to_table, serves
-from pipeline.router import build_router, overflow_shares, rank_sources, source_infos
-from pipeline.sources.chain import assign_sources, chain_batch_size, close_unserved, reroute_overrides
-from pipeline.sources.openrouter import merge_outcome
+from pipeline.base.config import RoutingConfig
+from pipeline.base.flight import FLIGHT_SCHEMA, fail_row, rows_to_table, serves
+from pipeline.generate.router import build_router, overflow_shares, rank_sources, source_infos
+from pipeline.generate.sources.chain import assign_sources, chain_batch_size, close_unserved, reroute_overrides
+from pipeline.generate.sources.http.openrouter import merge_outcome
 
 
 def spilled_from(row: dict) -> str | None:

@@ -20,12 +20,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import run_lock
-from pipeline.flight import rows_to_table
-from pipeline.layout import RunLayout, shard_name
-from pipeline.records import empty_sample
-from pipeline.run_lock import HOST, LockHeld, LockLost, RunLock, current_lock, guard_path, on_lock_lost, read_lock
-from pipeline.stages import WriteShards
+from pipeline.base import run_lock
+from pipeline.base.flight import rows_to_table
+from pipeline.base.layout import RunLayout, shard_name
+from pipeline.base.records import empty_sample
+from pipeline.base.run_lock import HOST, LockHeld, LockLost, RunLock, current_lock, guard_path, on_lock_lost, read_lock
+from pipeline.generate.stages import WriteShards
 
 
 def _write_lock(path: Path, *, host: str, pid: int, heartbeat_at: float, token: str | None = None) -> str:
@@ -473,9 +473,9 @@ def test_write_shards_refuses_after_a_takeover(tmp_path: Path) -> None:
 def test_cli_run_whose_lock_was_taken_over_exits_2_naming_the_new_holder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A run ended by a writer's refusal (the Ray job fails with its own error) is one line and exit 2."""
-    from pipeline import cli
-    from pipeline import run as run_module
-    from pipeline.console import Console
+    from pipeline.base.console import Console
+    from pipeline.run import cli
+    from pipeline.run import job as run_module
 
     def taken_over_run(cfg: Any, console: Any) -> dict[str, Any]:
         with RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0) as lock:

@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import OpenRouterSourceConfig, TransformersSourceConfig, VLLMSourceConfig
-from pipeline.console import served_line
-from pipeline.served_eval import heldout_prompts
-from pipeline.sources.registry import drafter_server
+from pipeline.base.config import OpenRouterSourceConfig, TransformersSourceConfig, VLLMSourceConfig
+from pipeline.base.console import served_line
+from pipeline.generate.sources.registry import drafter_server
+from pipeline.hidden.served_eval import heldout_prompts
 from training.served import agreement, tolerance
 
 
@@ -62,7 +62,7 @@ def test_served_line_says_whether_served_and_simulated_agree():
 def test_the_report_prints_served_beside_held_out_with_the_verdict():
     from pathlib import Path
 
-    from pipeline.report import format_report
+    from pipeline.report.summary import format_report
 
     r = {"rows_in": 1, "passed": 1, "quarantined": 0, "quarantine_by_stage": {}, "not_generated": 0, "flagged": {},
          "tokens_generated": 0, "this_attempt": {"cost_usd": 0.0}, "seconds": {}, "audit": {"samples": 0},

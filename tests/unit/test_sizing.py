@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, ExtractionConfig, load_config
-from pipeline.sizing import checkpoint_bytes
+from pipeline.base.config import ConfigError, ExtractionConfig, load_config
+from pipeline.base.sizing import checkpoint_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG = 600 * 10**9  # bytes: a ~1T-parameter MoE in INT4
@@ -136,7 +136,7 @@ def _kimi(tmp_path: Path, **extraction) -> Path:
 
 
 def test_check_passes_the_kimi_config_and_refuses_it_with_transformers_extraction(tmp_path, capsys):
-    from pipeline.cli import main
+    from pipeline.run.cli import main
 
     assert main(["check", str(ROOT / "configs" / "kimi_k25.yaml"), "--no-paths"]) == 0
     out = capsys.readouterr().out
@@ -153,9 +153,9 @@ def test_check_passes_the_kimi_config_and_refuses_it_with_transformers_extractio
 
 
 def test_kimi_extraction_is_a_tp8_engine_on_h200_nodes(repo_root):
-    from pipeline.handoff import Handoff, extraction_resources
-    from pipeline.layout import RunLayout
-    from pipeline.sources.chain import ENGINE_ACTOR_ENV, placement_strategy
+    from pipeline.base.layout import RunLayout
+    from pipeline.generate.sources.chain import ENGINE_ACTOR_ENV, placement_strategy
+    from pipeline.hidden.handoff import Handoff, extraction_resources
 
     cfg = load_config(repo_root / "configs" / "kimi_k25.yaml", check_paths=False)
     ex = cfg.extraction
@@ -176,7 +176,7 @@ def test_kimi_extraction_is_a_tp8_engine_on_h200_nodes(repo_root):
 
 
 def test_extraction_resources_without_tensor_parallelism_keep_the_actors_own():
-    from pipeline.handoff import extraction_resources
+    from pipeline.hidden.handoff import extraction_resources
 
     assert extraction_resources(ExtractionConfig(num_gpus=0.5)) == {"num_cpus": 1.0, "num_gpus": 0.5}
     assert extraction_resources(ExtractionConfig(num_gpus=1, resources={"h200": 1})) == {
@@ -185,8 +185,8 @@ def test_extraction_resources_without_tensor_parallelism_keep_the_actors_own():
 
 
 def test_engine_sources_carry_custom_resources():
-    from pipeline.config import SGLangSourceConfig, VLLMSourceConfig
-    from pipeline.sources.chain import engine_resources, placement_strategy
+    from pipeline.base.config import SGLangSourceConfig, VLLMSourceConfig
+    from pipeline.generate.sources.chain import engine_resources, placement_strategy
 
     sglang = SGLangSourceConfig(num_gpus=8, tensor_parallel_size=8, resources={"h200": 8})
     assert engine_resources(sglang, ray_tp=False) == {"num_cpus": 1.0, "num_gpus": 8.0, "resources": {"h200": 8.0}}

@@ -6,18 +6,18 @@ import json
 
 import pytest
 
-from pipeline.config import ChecksConfig, SamplingConfig, SGLangSourceConfig
-from pipeline.profiles import load_profile
-from pipeline.records import empty_sample
-from pipeline.sources.engine import fill_from_engine, request_seed
-from pipeline.sources.sglang_source import (
+from pipeline.base.config import ChecksConfig, SamplingConfig, SGLangSourceConfig
+from pipeline.base.records import empty_sample
+from pipeline.checks.validate import check_structure
+from pipeline.generate.sources.engines.base import fill_from_engine, request_seed
+from pipeline.generate.sources.engines.sglang_source import (
     SGLangGenerator,
     engine_kwargs,
     result_from_response,
     sampling_params,
     sglang_available,
 )
-from pipeline.validate import check_structure
+from pipeline.profiles import load_profile
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 
 import pyarrow as pa
 
-from pipeline.stages import RenderPrompts
+from pipeline.generate.stages import RenderPrompts
 
 
 def prompt(i: int, text: str, dataset: str = "chat") -> dict:
@@ -29,10 +29,10 @@ def test_a_prompt_too_long_for_its_dataset_is_quarantined_before_generation():
 def test_the_writer_hands_the_driver_only_the_tally_columns(tmp_path):
     """The driver counts: no token ids or texts come back from the writer, and the tally figures it needs
     (token count, billing, checks) are exact."""
-    from pipeline.config import DatasetConfig
-    from pipeline.flight import TALLY_SCHEMA
-    from pipeline.report import Tally, audit_for
-    from pipeline.stages import WriteShards
+    from pipeline.base.config import DatasetConfig
+    from pipeline.base.flight import TALLY_SCHEMA
+    from pipeline.generate.stages import WriteShards
+    from pipeline.report.summary import Tally, audit_for
     from tests.unit.test_run_lock import _batch, _flight
 
     ok, bad, left = _flight("a"), _flight("q", "quarantine"), _flight("n", "not_generated")
@@ -54,8 +54,8 @@ def test_the_writer_hands_the_driver_only_the_tally_columns(tmp_path):
 def test_cpu_stage_pools_follow_the_sources_and_the_cluster():
     from types import SimpleNamespace
 
-    from pipeline.config import PoolConfig
-    from pipeline.stages import pool_bounds
+    from pipeline.base.config import PoolConfig
+    from pipeline.generate.stages import pool_bounds
 
     sources = [SimpleNamespace(num_actors=2, max_actors=6), SimpleNamespace(num_actors=4, max_actors=None)]
     assert pool_bounds(PoolConfig(), sources, cluster_cpus=64) == (1, 10)  # 6 + 4 source actors at their most

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
-from pipeline.layout import RunLayout
-from pipeline.status import collect_status, format_status
+from pipeline.base.config import load_config
+from pipeline.base.layout import RunLayout
+from pipeline.run.status import collect_status, format_status
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from pipeline.profiles import load_profile
-from pipeline.tiny_model import (
+from pipeline.checks.validate import check_structure, check_tool_semantics
+from pipeline.demo.tiny_model import (
     EOS_ID,
     THINK_END_ID,
     TOOL_MARKER_IDS,
@@ -17,7 +17,7 @@ from pipeline.tiny_model import (
     recipe,
     weights_digest,
 )
-from pipeline.validate import check_structure, check_tool_semantics
+from pipeline.profiles import load_profile
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_state_channels_gate_the_format_tokens(well_formed):
 def test_sampled_responses_are_well_formed(well_formed):
     path, model = well_formed
     profile = load_profile("deepseek", str(path))
-    from pipeline.config import ChecksConfig
+    from pipeline.base.config import ChecksConfig
 
     torch.manual_seed(0)
     finished = 0

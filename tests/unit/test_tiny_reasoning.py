@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import ChecksConfig
+from pipeline.base.config import ChecksConfig
+from pipeline.checks.validate import check_roundtrip, check_structure, validate_sample
+from pipeline.demo.tiny_model import EOS_ID, VARIANTS, built_variant, recipe, tiny_config
+from pipeline.demo.tiny_reasoning import PROMPTS_ROWS, PROMPTS_SEED, conversations, prompt_rows
+from pipeline.demo.tiny_trained import Shape, encode, train
 from pipeline.profiles import load_profile
 from pipeline.profiles.deepseek import load_deepseek_profile
-from pipeline.tiny_model import EOS_ID, VARIANTS, built_variant, recipe, tiny_config
-from pipeline.tiny_reasoning import PROMPTS_ROWS, PROMPTS_SEED, conversations, prompt_rows
-from pipeline.tiny_trained import Shape, encode, train
-from pipeline.validate import check_roundtrip, check_structure, validate_sample
 
 EQUATION = re.compile(r"(\d+) ([-+x/]) (\d+) = (\d+)")
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "x": lambda a, b: a * b, "/": lambda a, b: a / b}
@@ -71,7 +71,7 @@ def test_answers_branch_where_a_real_trace_would():
 
 
 def test_shipped_prompts_are_the_generators():
-    """data/prompts/reasoning.jsonl is what `python -m pipeline.tiny_reasoning` writes (held out from training)."""
+    """data/prompts/reasoning.jsonl is what `python -m pipeline.demo.tiny_reasoning` writes (held out from training)."""
     path = Path(__file__).resolve().parents[2] / "data" / "prompts" / "reasoning.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == prompt_rows(PROMPTS_ROWS, PROMPTS_SEED)
@@ -80,7 +80,7 @@ def test_shipped_prompts_are_the_generators():
 
 def test_recipe_covers_the_domain():
     """A cached reasoning target is rebuilt when its domain, its trainer or its shared names change."""
-    here = Path(__file__).resolve().parents[2] / "pipeline"
+    here = Path(__file__).resolve().parents[2] / "pipeline" / "demo"
     h = hashlib.sha256()
     for name in ("tiny_model.py", "tiny_trained.py", "tiny_domain.py", "tiny_reasoning.py"):
         h.update((here / name).read_bytes())
@@ -89,8 +89,8 @@ def test_recipe_covers_the_domain():
 
 
 def test_cli_builds_the_variant(monkeypatch, tmp_path):
-    from pipeline import tiny_model
-    from pipeline.cli import main
+    from pipeline.demo import tiny_model
+    from pipeline.run.cli import main
 
     calls = []
     monkeypatch.setattr(tiny_model, "build_tiny_target", lambda out, variant, force: calls.append(variant) or out)

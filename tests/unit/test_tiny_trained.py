@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import ChecksConfig
-from pipeline.profiles.deepseek import load_deepseek_profile
-from pipeline.tiny_domain import conversations, prompt_rows
-from pipeline.tiny_trained import (
+from pipeline.base.config import ChecksConfig
+from pipeline.checks.validate import check_roundtrip, check_structure
+from pipeline.demo.tiny_domain import conversations, prompt_rows
+from pipeline.demo.tiny_trained import (
     CONST_CHANNEL,
     CONST_VALUE,
     Shape,
@@ -26,7 +26,7 @@ from pipeline.tiny_trained import (
     tied_log_probs,
     train,
 )
-from pipeline.validate import check_roundtrip, check_structure
+from pipeline.profiles.deepseek import load_deepseek_profile
 
 SMALL = Shape(hidden=32, layers=2, heads=2, head_dim=16, intermediate=48, vocab=129_280)
 
@@ -47,8 +47,8 @@ def test_corpus_is_seeded_and_in_the_chat_format():
 
 
 def test_shipped_prompts_are_the_generators():
-    """data/prompts/shop.jsonl is what `python -m pipeline.tiny_domain` writes (held out from training)."""
-    from pipeline.tiny_domain import PROMPTS_ROWS, PROMPTS_SEED
+    """data/prompts/shop.jsonl is what `python -m pipeline.demo.tiny_domain` writes (held out from training)."""
+    from pipeline.demo.tiny_domain import PROMPTS_ROWS, PROMPTS_SEED
 
     path = Path(__file__).resolve().parents[2] / "data" / "prompts" / "shop.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.layout import RunLayout
+from pipeline.base.layout import RunLayout
 from tests.helpers.training import TINY_AUX_LAYER_IDS, build_tiny_llama, generated_rows, random_prompts, torch_threads
 from training import trackers as trk
 from training.config import DraftTrainConfig
@@ -139,7 +139,7 @@ def test_run_summary_lands_in_tensorboard_at_the_last_step(tmp_path):
 
 
 def test_publish_report_writes_the_page_and_the_summary(tmp_path):
-    from pipeline.publish import publish_report
+    from pipeline.report.publish import publish_report
 
     layout = RunLayout(tmp_path)
     publish_report(SimpleNamespace(training=cfg()), layout, REPORT)

@@ -14,13 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import ChecksConfig
-from pipeline.profiles import load_profile
-from pipeline.profiles.base import Completion, Profile, RenderedPrompt, tool_call
-from pipeline.profiles.deepseek import ASSISTANT, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP, USER
-from pipeline.reconstruct import rebuild_ids
-from pipeline.records import empty_sample
-from pipeline.validate import (
+from pipeline.base.config import ChecksConfig
+from pipeline.base.records import empty_sample
+from pipeline.checks.reconstruct import rebuild_ids
+from pipeline.checks.validate import (
     CHECK_NAMES,
     ConservationError,
     annotate,
@@ -29,6 +26,9 @@ from pipeline.validate import (
     quarantine_reason,
     validate_sample,
 )
+from pipeline.profiles import load_profile
+from pipeline.profiles.base import Completion, Profile, RenderedPrompt, tool_call
+from pipeline.profiles.deepseek import ASSISTANT, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP, USER
 
 P = load_profile("deepseek")
 CFG = ChecksConfig()

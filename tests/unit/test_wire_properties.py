@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pipeline.sources.http_wire as wire
-from pipeline.sources.http_wire import Failure, Reply, interpret
+import pipeline.generate.sources.http.wire as wire
+from pipeline.generate.sources.http.wire import Failure, Reply, interpret
 
 SETTINGS = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,0 +1,1 @@
+"""The base every stage uses: config schema, row schemas, the run folder's paths, logs, console, run lock."""

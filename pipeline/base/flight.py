@@ -1,0 +1,133 @@
+"""The in-flight row contract every Ray Data stage of the generation chain speaks.
+
+A row is a sample (``records.SAMPLE_SCHEMA``) plus where it stands: ``status``
+(``ok``, ``reroute``, ``quarantine``, ``not_generated``), the ``stage`` and
+``reason`` of a row that stopped, and the outcome columns the report needs as
+facts rather than text to parse: ``spilled_from`` (the local source that handed
+the prompt to an overflow source past the deadline), ``start_error_source`` and ``start_error``
+(an engine that failed to start and why, set on the rows it could not serve),
+``attempts`` (requests an HTTP source made for the row) and ``failure_class``
+(why a row is left to do or quarantined: ``transient``, ``sample``, ``account``,
+``budget``). A row never
+disappears: a stage that cannot handle it marks it and passes it on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+import pyarrow as pa
+
+from pipeline.base.records import SAMPLE_SCHEMA
+
+Status = Literal["ok", "reroute", "quarantine", "not_generated", "duplicate"]
+SERVABLE = ("ok", "reroute")
+
+FLIGHT_SCHEMA = pa.schema([
+    *SAMPLE_SCHEMA,
+    pa.field("status", pa.string()),
+    pa.field("stage", pa.string()),   # where a non-ok row stopped
+    pa.field("reason", pa.string()),
+    pa.field("checks_ran", pa.list_(pa.string())),
+    pa.field("spilled_from", pa.string()),
+    pa.field("start_error_source", pa.string()),
+    pa.field("start_error", pa.string()),
+    pa.field("attempts", pa.int32()),
+    pa.field("failure_class", pa.string()),  # why a row is not ok: transient | sample | account | budget
+])
+
+# What the writer hands back to the driver per row: the small columns it tallies (counts, audit figures,
+# spend), never the ids or texts. ``output_tokens`` is len(output_ids), null where nothing was generated.
+TALLY_SCHEMA = pa.schema([
+    *(FLIGHT_SCHEMA.field(name) for name in (
+        "sample_id", "dataset", "source", "provider", "ids_from", "status", "stage", "reason", "failure_class",
+        "spilled_from", "start_error_source", "start_error", "attempts", "billed_completion_tokens", "cost",
+        "checks_ran", "checks_failed", "checks_flagged", "check_details")),
+    pa.field("output_tokens", pa.int64()),
+])
+
+
+class NextSource(Protocol):
+    """What a stage needs of the router to hand on a row it cannot serve."""
+
+    def next_source(self, row: dict[str, Any], current: str) -> str | None: ...
+
+
+def batch_to_rows(batch: pa.Table | dict[str, Any]) -> list[dict[str, Any]]:
+    if isinstance(batch, pa.Table):
+        return batch.to_pylist()
+    keys = list(batch)
+    n = len(batch[keys[0]]) if keys else 0
+    return [{k: _py(batch[k][i]) for k in keys} for i in range(n)]
+
+
+def _py(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema = FLIGHT_SCHEMA) -> pa.Table:
+    return pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
+
+
+def tally_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """The driver's view of finished rows (``TALLY_SCHEMA``)."""
+    counted = [{**r, "output_tokens": None if r.get("output_ids") is None else len(r["output_ids"])} for r in rows]
+    return rows_to_table(counted, TALLY_SCHEMA)
+
+
+def output_len(row: dict[str, Any]) -> int | None:
+    """Generated tokens of a sample row (``output_ids``) or of a tally row (``output_tokens``)."""
+    if "output_ids" in row:
+        return None if row["output_ids"] is None else len(row["output_ids"])
+    return row.get("output_tokens")
+
+
+def mark(row: dict[str, Any], status: Status, stage: str, reason: str) -> dict[str, Any]:
+    row.update(status=status, stage=stage, reason=reason)
+    return row
+
+
+def serves(row: dict[str, Any], source_name: str) -> bool:
+    """Whether a source stage should generate this row: addressed to it (or unrouted) and not yet generated."""
+    return (row.get("status") in SERVABLE and row.get("output_ids") is None
+            and (row.get("source") or source_name) == source_name)
+
+
+def served(row: dict[str, Any], source_name: str) -> dict[str, Any]:
+    """Mark a row its source generated; a re-routed row keeps the reason it was handed on (the report counts it)."""
+    row.update(source=source_name, status="ok", stage="",
+               reason=row["reason"] if row.get("status") == "reroute" else "")
+    return row
+
+
+def hand_on(row: dict[str, Any], reason: str, source_name: str, nxt: str) -> dict[str, Any]:
+    """Re-address a row to source ``nxt``; a spilled row going back to its local source is no longer spilled."""
+    row.update(status="reroute", stage="generate", reason=f"{source_name}: {reason}", source=nxt)
+    if row.get("spilled_from") == nxt:
+        row["spilled_from"] = None
+    return row
+
+
+def fail_row(row: dict[str, Any], reason: str, source_name: str, router: NextSource | None, *,
+             start_error: str | None = None) -> dict[str, Any]:
+    """A row this source cannot serve: re-routed when the router names a next source, else quarantined."""
+    if start_error is not None:
+        row.update(start_error_source=source_name, start_error=start_error)
+    nxt = router.next_source(row, source_name) if router is not None else None
+    if nxt:
+        hand_on(row, reason, source_name, nxt)
+    else:
+        mark(row, "quarantine", "generate", reason)
+        row["source"] = source_name
+    return row
+
+
+def leave_to_do(row: dict[str, Any], reason: str, source_name: str, router: NextSource | None) -> dict[str, Any]:
+    """A row this source could not serve now but may later (budget spent, API down): the next source takes it,
+    or it stays not generated — never quarantined, so a re-run does it."""
+    nxt = router.next_source(row, source_name) if router is not None else None
+    if nxt:
+        hand_on(row, reason, source_name, nxt)
+    else:
+        row.update(status="not_generated", stage="generate", reason=reason, source=source_name)
+    return row

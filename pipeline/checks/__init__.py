@@ -1,0 +1,1 @@
+"""Exact ids and the checks on them: reconstruction from text, validation, the audit."""

@@ -1,0 +1,224 @@
+"""Exact target token ids from the text an OpenAI-compatible API returns.
+
+ids = encode(reasoning) + [</think>] + encode(content) [+ tool-call section] + [end-of-turn]
+
+Each text segment is encoded on its own so BPE never merges across a special
+token. A special-token string inside a field becomes the special id only where
+the layout lets that token occur in that field (``Profile.reasoning_specials``,
+``Profile.content_specials``): raw tool-call markers that leak into ``content``
+when no tools were sent are the ids the target wrote; a ``</think>`` inside the
+``reasoning`` a parser split off, or an end-of-turn or role-header string
+anywhere, was written as text and is encoded as text. Content that no reasoning
+parser touched (reasoning None, thinking on) holds the real ``</think>``: its
+first one. Structured ``tool_calls`` are rendered back into the profile's
+native section, where only the tool-call markers are tokens.
+
+Two things the text alone leaves open, settled by the profile's rules and, when
+the API reports it, the billed ``completion_tokens``:
+
+* whether ``</think>`` was written. A response that finished (or was cut off)
+  with reasoning and no content reads the same either way; so does a Kimi or
+  Qwen tool call that ended reasoning implicitly. The layout says it was
+  written unless the response was cut off inside its reasoning.
+* whitespace a reasoning parser stripped around ``</think>``: the profile's
+  ``think_end_padding`` is what the target writes there; it is put back where
+  the reasoning ends, or the content starts, with no whitespace at all.
+
+The default reading comes first; when the billed count is known and the default
+does not match it, the other readings are tried and the first that matches wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from pipeline.profiles.base import Completion, Profile
+
+
+@dataclass
+class Rebuilt:
+    ids: list[int]
+    truncated: bool
+    reading: str = "default"  # which reading of the text produced ids (see module docstring)
+    billed_delta: int | None = None  # len(ids) - billed completion_tokens, when billed
+    reasoning_missing: bool = False  # thinking on, yet the API returned no reasoning to rebuild
+
+
+class TextSeg(NamedTuple):
+    """A run of response text and the special-token strings that are tokens inside it."""
+
+    text: str
+    specials: frozenset[str]
+
+
+Segment = int | TextSeg  # a special id the layout puts there, or text
+
+
+@dataclass(frozen=True)
+class Reading:
+    think_end: bool
+    pad: bool
+
+    @property
+    def label(self) -> str:
+        return ("think_end" if self.think_end else "no_think_end") + ("+padded" if self.pad else "")
+
+
+def completion_from_message(
+    message: dict[str, Any], finish_reason: str | None, usage: dict[str, Any] | None = None
+) -> Completion:
+    """A Completion from an API ``message``: ``reasoning`` (OpenRouter) or ``reasoning_content`` (vLLM/SGLang)."""
+    reasoning = message.get("reasoning")
+    if reasoning is None:
+        reasoning = message.get("reasoning_content")
+    calls = message.get("tool_calls") or None
+    billed = (usage or {}).get("completion_tokens")
+    return Completion(
+        reasoning=reasoning,
+        content=message.get("content"),
+        tool_calls=list(calls) if calls else None,
+        finish_reason=finish_reason or "stop",
+        completion_tokens=_billed(billed),
+    )
+
+
+def _billed(v: Any) -> int | None:
+    """The billed count when it is a number; a missing or odd value is unknown, not an error."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        return None
+    try:
+        return int(v)
+    except (ValueError, OverflowError):
+        return None
+
+
+def completion_from_response(body: dict[str, Any]) -> Completion:
+    """The first choice of a chat-completions response body, with its billed token count."""
+    choice = body["choices"][0]
+    return completion_from_message(choice.get("message") or {}, choice.get("finish_reason"), body.get("usage"))
+
+
+def _think_end_written(profile: Profile, c: Completion, thinking: bool) -> tuple[bool, bool]:
+    """(whether ``</think>`` goes in by default, whether the other reading is possible)."""
+    if not thinking:
+        return False, False
+    content = c.content or ""
+    if c.reasoning is None and profile.think_end_text in content:
+        return False, False  # no reasoning parser ran: </think> is inside the content already
+    truncated = c.finish_reason == "length"
+    if content:
+        # A raw tool-call section right after the reasoning may have ended it implicitly.
+        implicit = profile.tool_section_ends_reasoning and content.startswith(profile.tool_section_begin_text)
+        return True, implicit
+    if c.tool_calls:
+        return True, profile.tool_section_ends_reasoning
+    # Reasoning and nothing after it: cut off inside the reasoning, or </think> right before the end.
+    return not truncated, True
+
+
+def _padded(profile: Profile, reasoning: str, content: str, c: Completion, think_end: bool) -> tuple[str, str]:
+    before, after = profile.think_end_padding
+    if not think_end:
+        return reasoning, content
+    if before and not reasoning[-1:].isspace():
+        reasoning += before
+    if after and not content[:1].isspace() and (content or c.tool_calls or c.finish_reason != "length"):
+        content = after + content
+    return reasoning, content
+
+
+def _unparsed(profile: Profile, c: Completion, thinking: bool) -> bool:
+    """Thinking on and no reasoning parser ran: the content holds the reasoning and the real ``</think>``."""
+    return thinking and c.reasoning is None and profile.think_end_text in (c.content or "")
+
+
+def response_segments(profile: Profile, c: Completion, thinking: bool, reading: Reading) -> list[Segment]:
+    """The response as text segments and special ids, in order, for one reading."""
+    reasoning, content = c.reasoning or "", c.content or ""
+    if reading.pad:
+        reasoning, content = _padded(profile, reasoning, content, c, reading.think_end)
+    segs: list[Segment] = []
+    if reasoning:
+        segs.append(TextSeg(reasoning, profile.reasoning_specials))
+    if reading.think_end:
+        segs.append(profile.think_end_id)
+    if content and _unparsed(profile, c, thinking):
+        head, tail = content.split(profile.think_end_text, 1)
+        segs += [TextSeg(head, profile.reasoning_specials), profile.think_end_id]
+        content = tail
+    if content:
+        segs.append(TextSeg(content, profile.content_specials))
+    if c.tool_calls:
+        segs.append(TextSeg(profile.render_tool_calls(c.tool_calls), profile.tool_marker_texts))
+    if c.finish_reason != "length":
+        segs.append(profile.eot_id)
+    return segs
+
+
+def response_text(profile: Profile, c: Completion, thinking: bool, reading: Reading | None = None) -> str:
+    """What ``decode(rebuild_ids(...).ids)`` gives back for the default reading (the test oracle)."""
+    reading = reading or default_reading(profile, c, thinking)
+    parts = response_segments(profile, c, thinking, reading)
+    return "".join(profile.token_text(p) if isinstance(p, int) else profile.normalize(p.text, p.specials)
+                   for p in parts)
+
+
+def default_reading(profile: Profile, c: Completion, thinking: bool) -> Reading:
+    thinking = thinking or bool(c.reasoning)
+    think_end, _ = _think_end_written(profile, c, thinking)
+    return Reading(think_end=think_end, pad=any(profile.think_end_padding))
+
+
+def readings(profile: Profile, c: Completion, thinking: bool) -> list[Reading]:
+    """Every reading of the text the target could have written, the default first."""
+    thinking = thinking or bool(c.reasoning)
+    first = default_reading(profile, c, thinking)
+    _, open_question = _think_end_written(profile, c, thinking)
+    out = [first]
+    if first.pad:
+        out.append(Reading(first.think_end, False))
+    if open_question:
+        out += [Reading(not first.think_end, first.pad), Reading(not first.think_end, False)]
+    return list(dict.fromkeys(out))
+
+
+def encode_segments(profile: Profile, segs: list[Segment | str]) -> list[int]:
+    """Ids of segments: special ids as they are, text with its own specials (a bare str honours all)."""
+    ids: list[int] = []
+    for seg in segs:
+        if isinstance(seg, int):
+            ids.append(seg)
+        elif isinstance(seg, TextSeg):
+            ids += profile.encode(seg.text, seg.specials)
+        else:
+            ids += profile.encode(seg)
+    return ids
+
+
+def rebuild_ids(profile: Profile, completion: Completion, thinking: bool) -> Rebuilt:
+    """Rebuild the response ids the target produced for ``completion``.
+
+    Reasoning returned with thinking off is still the model's text before a ``</think>`` it wrote.
+    """
+    truncated = completion.finish_reason == "length"
+    missing = thinking and completion.reasoning is None and profile.think_end_text not in (completion.content or "")
+    options = readings(profile, completion, thinking)
+    billed = completion.completion_tokens
+    first_ids: list[int] | None = None
+    for reading in options:
+        ids = encode_segments(profile, response_segments(profile, completion, thinking, reading))
+        if first_ids is None:
+            first_ids = ids
+        if billed is None:
+            break
+        if len(ids) == billed:
+            return Rebuilt(ids, truncated, reading.label, 0, missing)
+    assert first_ids is not None
+    delta = None if billed is None else len(first_ids) - billed
+    return Rebuilt(first_ids, truncated, options[0].label, delta, missing)
+
+
+def rebuild_from_response(profile: Profile, body: dict[str, Any], thinking: bool) -> Rebuilt:
+    """Rebuild ids straight from a chat-completions response body."""
+    return rebuild_ids(profile, completion_from_response(body), thinking)

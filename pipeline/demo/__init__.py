@@ -1,0 +1,1 @@
+"""Demo and test targets only: the tiny targets and the stand-in OpenRouter server."""

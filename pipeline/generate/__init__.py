@@ -1,0 +1,1 @@
+"""Rendered prompts to generated samples: the stages, routing, budgets and every source kind."""

@@ -1,0 +1,1 @@
+"""The source kinds (registry), the routed chain of source stages."""

@@ -1,0 +1,224 @@
+"""The Ray Data wiring of the sources: one chain render -> assign -> source 1 -> ... -> source n.
+
+``assign_sources`` writes each prompt's source (the router's choice) into its
+``source`` column; each source stage serves only the rows addressed to it and
+passes the rest on; ``close_unserved`` makes sure no ok row leaves the chain
+without output. Rows a stage hands to a source that sits earlier in the chain
+come back in status ``reroute``; the driver feeds them to one more pass with
+``reroute_overrides``. Which class serves a kind, and how its actors take
+resources, comes from the registry (pipeline.generate.sources.registry).
+
+Scaling: each source is an actor pool of ``num_actors``..``max_actors``; Ray Data
+adds actors while the stage's input queue is backed up and resources are free,
+and each actor starts its engine once. Backpressure: an engine actor holds at
+most two batches (the one generating and the next), so generation never outruns
+validate/write by more than that; Ray Data's streaming executor bounds the rest
+through ``DataContext.execution_options.resource_limits``. HTTP stages keep
+``max_concurrent_batches`` batches in flight per actor instead.
+
+GPU placement (layout ``engine``): one GPU per actor for tensor_parallel_size 1;
+for TP > 1 the actor itself holds no GPU and gets a placement group of TP
+bundles (``{"GPU": 1, "CPU": 1}``, STRICT_PACK: one node) whose bundles the
+engine's Ray executor fills with its TP workers. Layout ``engine_forks`` (SGLang)
+gives the actor all TP GPUs, since the engine forks its workers itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.base.config import EngineSourceConfig, ExtractionConfig, SamplingConfig
+from pipeline.base.flight import batch_to_rows, mark, rows_to_table
+from pipeline.generate.router import Router, has_tools
+from pipeline.generate.sources.registry import source_kind
+
+_PLACEMENT_GROUPS: list[Any] = []  # created in this (driver) process by placement_strategy
+
+# An engine actor stops its engine itself when Ray Data retires it (EngineSource.__del__, run from the actor's
+# __ray_shutdown__). Ray would otherwise SIGKILL the actor's child processes first: the engine's processes and
+# Python's multiprocessing resource tracker, which then comes back mid-cleanup and prints a KeyError traceback
+# per shared-memory segment. (An actor that dies abruptly is not affected: Ray kills nothing then either, and
+# the engine's processes exit when their parent is gone.) Merged into the job's runtime env, not replacing it.
+# vLLM's workers get 30 s rather than 5 to exit when the engine stops (see vllm_source.STOP_TIMEOUT_S).
+ENGINE_ACTOR_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false",
+                                 "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}}
+
+
+def placement_strategy(bundles: int, bundle_resources: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Ray remote args putting one actor and its engine's TP workers in one placement group on one node.
+
+    Ray Data calls this in the driver for every actor it starts; the group outlives its actor, so
+    the driver removes them all with `release_placement_groups` when the dataset has run.
+    ``bundle_resources``: custom resources added to every bundle (e.g. ``{"h200": 1}``)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = ray.util.placement_group([{"GPU": 1, "CPU": 1, **(bundle_resources or {})}] * bundles,
+                                  strategy="STRICT_PACK")
+    _PLACEMENT_GROUPS.append(pg)
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
+
+
+def release_placement_groups() -> int:
+    """Remove the placement groups this process created for engine actors; returns how many."""
+    from ray.util.placement_group import remove_placement_group
+
+    n = 0
+    while _PLACEMENT_GROUPS:
+        remove_placement_group(_PLACEMENT_GROUPS.pop())
+        n += 1
+    return n
+
+
+def wait_for_retired_engines(timeout_s: float = 30.0, poll_s: float = 0.5) -> int:
+    """Wait until this job's engine actors (generators, extractors) have exited; return how many were still
+    alive at the timeout.
+
+    Ray Data retires an actor by dropping its handle; the actor then stops its engine in
+    ``__ray_shutdown__`` (ENGINE_ACTOR_ENV), which takes seconds on a loaded machine. A driver that exits
+    first takes a local Ray down with it and kills the engines mid-cleanup (resource-tracker tracebacks in
+    the logs, shared memory left behind). Best effort: without the state API this returns at once.
+    """
+    import time
+
+    import ray
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            alive = [a for a in list_actors(filters=[("state", "=", "ALIVE"), ("job_id", "=", job)], limit=10_000,
+                                            raise_on_missing_output=False)
+                     if "Generator)" in a.class_name or "Extractor)" in a.class_name]
+        except Exception:
+            return 0
+        if not alive or time.monotonic() >= deadline:
+            return len(alive)
+        time.sleep(poll_s)
+
+
+def engine_resources(cfg: EngineSourceConfig | ExtractionConfig, *, ray_tp: bool = True) -> dict[str, Any]:
+    """``map_batches`` resource arguments for an engine actor (see the module doc for TP > 1); the
+    extraction actor of an engine backend (pipeline.hidden.handoff) is placed the same way.
+
+    ``ray_tp``: the engine spreads TP workers as Ray tasks (vLLM); False when it
+    forks them itself on the actor's GPUs (SGLang), so the actor holds all TP GPUs.
+    ``cfg.resources`` (custom resources) go to the actor, or split evenly over the TP bundles.
+    """
+    tp = cfg.tensor_parallel_size
+    custom = {"resources": dict(cfg.resources)} if cfg.resources else {}
+    if cfg.num_gpus <= 0:
+        return {"num_cpus": cfg.num_cpus, **custom}
+    if tp == 1 or not ray_tp:
+        return {"num_cpus": cfg.num_cpus, "num_gpus": max(cfg.num_gpus, float(tp)), **custom}
+    per_bundle = {k: v / tp for k, v in cfg.resources.items()}
+    fn = partial(placement_strategy, tp, per_bundle) if per_bundle else partial(placement_strategy, tp)
+    return {"num_cpus": 0, "num_gpus": 0, "ray_remote_args_fn": fn}
+
+
+def chain_batch_size(batch_size: int, share: float, cap: int = 8) -> int:
+    """A stage sees every row but serves only its share: widen its batches so the engine still gets full ones."""
+    if share <= 0:
+        return batch_size
+    return max(batch_size, min(batch_size * cap, math.ceil(batch_size / share)))
+
+
+# --------------------------------------------------------------------------- row maps
+
+
+def assign_sources(batch: pa.Table, router: Router, overrides: Mapping[str, str] | None = None) -> pa.Table:
+    """Write each ok row's source (an override wins: a re-fed re-route); no source -> quarantine."""
+    rows = batch_to_rows(batch)
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        name = (overrides or {}).get(r["sample_id"]) or router.route(r)
+        if name is None:
+            tools = " prompts with tools" if has_tools(r) else ""
+            mark(r, "quarantine", "generate", f"route: no source may serve dataset {r['dataset']!r}{tools}")
+        else:
+            r["source"] = name
+    return rows_to_table(rows)
+
+
+def close_unserved(batch: pa.Table) -> pa.Table:
+    """The end of the chain: an ok row no stage generated is quarantined, never written empty."""
+    rows = batch_to_rows(batch)
+    for r in rows:
+        if r["status"] == "ok" and r.get("output_ids") is None:
+            mark(r, "quarantine", "generate", f"route: no stage in the chain served source {r.get('source')!r}")
+    return rows_to_table(rows)
+
+
+def reroute_overrides(rows: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """sample id -> source for rows a pass left in status ``reroute`` (their target came earlier in the chain)."""
+    return {str(r["sample_id"]): str(r["source"]) for r in rows if r.get("status") == "reroute"}
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: SamplingConfig, router: Router,
+               ledger: Any | None = None, output_dir: str | None = None,
+               replay: Mapping[str, str] | None = None) -> Any:
+    """Append one source stage (the registry's actor class for its kind) to the chain.
+
+    A spending source's actors also get its budget ``ledger`` and the run folder: they journal their responses
+    there and, before sending, read what any actor of the folder was billed for. ``replay`` (tests) replaces
+    that with a fixed set (sample id -> record JSON).
+    """
+    import ray.data
+
+    kind = source_kind(src)
+    total = sum(router.weights.values()) or 1.0
+    batch = chain_batch_size(src.batch_size, router.weights.get(src.name, 0.0) / total)
+    min_actors = src.num_actors
+    max_actors = max(src.max_actors or 0, min_actors)
+    kwargs = {"ledger": ledger, "output_dir": output_dir, "replay": dict(replay) if replay else None} \
+        if kind.spends else {}
+    if kind.layout == "async_http":
+        compute = ray.data.ActorPoolStrategy(min_size=min_actors, max_size=max_actors,
+                                             max_concurrent_calls_per_actor=src.max_concurrent_batches)
+        resources: dict[str, Any] = {"num_cpus": src.num_cpus}
+        if src.resources:
+            resources["resources"] = dict(src.resources)
+    else:
+        # Two batches queued per actor: the next is ready when the engine finishes one, and no more (backpressure).
+        compute = ray.data.ActorPoolStrategy(min_size=min_actors, max_size=max_actors, max_tasks_in_flight_per_actor=2)
+        resources = engine_resources(src, ray_tp=kind.layout == "engine") | {"runtime_env": ENGINE_ACTOR_ENV}
+    return ds.map_batches(kind.actor_class(), fn_constructor_args=(model_dir, profile, sampling, src, router),
+                          fn_constructor_kwargs=kwargs, batch_size=batch, batch_format="pyarrow", compute=compute,
+                          **resources)
+
+
+def map_routed(ds: Any, sources: Sequence[Any], *, model_dir: str, profile: str, sampling: SamplingConfig,
+               router: Router, ledgers: Mapping[str, Any] | None = None,
+               overrides: Mapping[str, str] | None = None, output_dir: str | None = None,
+               replays: Mapping[str, Mapping[str, str]] | None = None) -> Any:
+    """Rendered rows in, generated rows out: assign each row its source, then every source stage.
+
+    Sources that spend and have no ledger in ``ledgers`` get a fresh one. Rows a pass leaves in status
+    ``reroute`` go to the next pass with ``overrides=reroute_overrides(rows)``.
+    """
+    from pipeline.generate.ledger import ledger_for
+
+    ledgers = dict(ledgers or {})
+    # Primaries first: prompts re-routed or spilled to an overflow source are then served in the same pass.
+    sources = sorted(sources, key=lambda s: router.role(s.name) == "overflow")
+    ds = ds.map_batches(assign_sources, fn_kwargs={"router": router, "overrides": dict(overrides or {})},
+                        batch_format="pyarrow", num_cpus=0)
+    for src in sources:
+        ledger = None
+        if source_kind(src).spends:
+            if src.name not in ledgers:
+                ledgers[src.name] = ledger_for(src)
+            ledger = ledgers[src.name]
+        ds = map_source(ds, src, model_dir=model_dir, profile=profile, sampling=sampling, router=router,
+                        ledger=ledger, output_dir=output_dir, replay=(replays or {}).get(src.name))
+    return ds.map_batches(close_unserved, batch_format="pyarrow", num_cpus=0)

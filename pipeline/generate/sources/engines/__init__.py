@@ -1,0 +1,1 @@
+"""Local engines (vLLM, SGLang, transformers) on the cluster's GPUs."""

@@ -1,0 +1,199 @@
+"""The base of every local engine source (vLLM, SGLang, transformers): the row plumbing they share.
+
+An engine source receives in-flight rows (pipeline.base.flight) and serves only those
+addressed to it (``source`` is its name, or empty in a one-source run); every
+other row passes through untouched, so several sources can sit in one chain. The
+engine's own output ids are the ground truth: nothing is re-tokenized. A failure
+never loses a row: an engine error on a batch is isolated by retrying its rows one
+at a time, and a row that still fails is handed to the next source the router
+names (status ``reroute``) or quarantined at stage ``generate`` with the error.
+``on_error: raise`` instead re-raises so Ray retries the task.
+
+An engine that fails to start (bad model folder, CUDA OOM, package missing) does
+not take the run down: the actor records the error (type and message, tokens
+blanked), logs it once, and fails every row addressed to it with reason ``engine
+failed to start: ...`` and the ``start_error`` columns set, so those rows follow
+the same re-route-or-quarantine path. With ``on_error: raise`` the start error is
+raised as before.
+
+A subclass implements ``start`` (once per actor) and ``generate_rows``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.base.config import EngineSourceConfig, SamplingConfig
+from pipeline.base.flight import NextSource, batch_to_rows, fail_row, rows_to_table, served, serves
+from pipeline.generate.sources.http.wire import redact
+from pipeline.profiles import load_profile
+
+log = logging.getLogger(__name__)
+
+START_FAILED = "engine failed to start"
+TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "OPENROUTER_API_KEY")  # blanked out of start errors
+
+
+def request_seed(sample_id: str, seed: int) -> int:
+    """A per-sample seed: a retried or resumed sample is generated identically."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()[:4], "little")
+
+
+def fill_from_engine(row: dict[str, Any], profile: Any, ids: list[int], finish: str | None, seconds: float) -> None:
+    """Fill a sample from engine output ids; text fields are split the way a server's parsers would."""
+    finish = finish or "stop"
+    comp = profile.split_ids(ids, bool(row["thinking"]))
+    row.update(
+        output_ids=ids, reasoning=comp.reasoning, content=comp.content,
+        tool_calls=json.dumps(comp.tool_calls, ensure_ascii=False) if comp.tool_calls else "",
+        finish_reason=finish, truncated=finish == "length", t_generate_s=seconds,
+    )
+
+
+def busy_shares(device_s: float, prompt_lens: list[int], outputs: list[list[int] | None]) -> list[float]:
+    """Split one batch's engine time (device-seconds) over its samples by the tokens each made the engine process
+    (prompt + output). Rows that came back without ids get nothing: the time spent on them is the price of the
+    samples that did come back, so the shares add up to the engine's busy time. Only a call that raised (its
+    rows are retried one at a time) or a batch with no sample at all leaves its time unattributed."""
+    tokens = [p + len(o) if o is not None else 0 for p, o in zip(prompt_lens, outputs, strict=True)]
+    total = sum(tokens)
+    return [device_s * t / total if total else 0.0 for t in tokens]
+
+
+def start_error_text(exc: BaseException, limit: int = 500) -> str:
+    """``Type: message`` of a failed engine start: one line, capped, tokens blanked (it is copied into rows)."""
+    text = redact(f"{type(exc).__name__}: {' '.join(str(exc).split())}", [os.environ.get(k) for k in TOKEN_ENV])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass
+class EngineResult:
+    """One engine answer: exact output ids, or the error that replaced them."""
+
+    ids: list[int] | None
+    finish: str | None
+    seconds: float
+    error: str | None = None
+
+
+def sampling_record(sampling: SamplingConfig, sample_id: str) -> str:
+    """The parameters a sample was generated with, including its own seed (JSON for the shard)."""
+    return json.dumps({**sampling.model_dump(), "request_seed": request_seed(sample_id, sampling.seed)},
+                      sort_keys=True)
+
+
+def as_sampling(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
+    return sampling if isinstance(sampling, SamplingConfig) else SamplingConfig.model_validate(dict(sampling))
+
+
+class EngineSource:
+    """Row plumbing shared by local engines; subclasses implement ``start`` and ``generate_rows``."""
+
+    kind = "engine"
+
+    def __init__(self, model_dir: str, profile: str, sampling: SamplingConfig | Mapping[str, Any],
+                 cfg: EngineSourceConfig, router: NextSource | None = None) -> None:
+        self.sampling = as_sampling(sampling)
+        self.cfg = cfg
+        self.source_name = cfg.name
+        self.router = router
+        self.model_name = os.path.basename(model_dir.rstrip("/"))
+        self.start_error: str | None = None
+        try:
+            self.preflight()
+            self.profile = load_profile(profile, model_dir)
+            self.start(model_dir)
+        except Exception as e:  # a dead engine must cost its rows a re-route, not the whole run
+            if cfg.on_error == "raise":
+                raise
+            self.start_error = start_error_text(e)
+            log.error("source %r (%s): %s: %s; its rows go to their next source or quarantine\n%s",
+                      self.source_name, self.kind, START_FAILED, self.start_error,
+                      "".join(traceback.format_tb(e.__traceback__)).rstrip())
+
+    def preflight(self) -> None:
+        """Cheap checks (e.g. the engine package is installed) run first, so the root cause is what is reported."""
+
+    def start(self, model_dir: str) -> None:
+        """Start the engine once per actor; an exception here is recorded as ``start_error`` (see module doc)."""
+
+    def shutdown(self) -> None:
+        """Stop the engine and its processes (idempotent). Called from ``__del__``."""
+
+    def __del__(self) -> None:
+        # When Ray Data retires an actor it drops the stage object (``__ray_shutdown__``) before Ray kills the
+        # actor's child processes. Stopping the engine here, while Python's multiprocessing resource tracker
+        # (one of those children) still runs, lets the engine unlink its shared memory in order; killed first,
+        # the tracker is relaunched mid-cleanup and prints a KeyError traceback per segment.
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: nothing left to report to
+            log.debug("source %r: engine shutdown failed", getattr(self, "source_name", "?"), exc_info=True)
+
+    def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
+        raise NotImplementedError(f"{type(self).__name__} must implement generate_rows")
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        return min(self.sampling.max_tokens, self.cfg.max_model_len - prompt_len)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch_to_rows(batch)
+        todo = []
+        spill = getattr(self.router, "spill", None)
+        for r in rows:
+            if not serves(r, self.source_name):
+                continue
+            if spill is not None and spill(r, self.source_name, time.time()):
+                continue  # past the overflow deadline: an overflow source takes it
+            if self.start_error is not None:
+                fail_row(r, f"{START_FAILED}: {self.start_error}", self.source_name, self.router,
+                         start_error=self.start_error)
+                continue
+            if len(r["prompt_ids"]) >= self.cfg.max_model_len:
+                fail_row(r, f"prompt of {len(r['prompt_ids'])} tokens does not fit max_model_len "
+                            f"{self.cfg.max_model_len}", self.source_name, self.router)
+                continue
+            todo.append(r)
+        if todo:
+            self._serve(todo)
+        return rows_to_table(rows)
+
+    def _serve(self, rows: list[dict[str, Any]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            results = self.generate_rows(rows)
+        except Exception as e:
+            if self.cfg.on_error == "raise":
+                raise
+            if self.cfg.isolate_errors and len(rows) > 1:  # one bad prompt must not take its batch with it
+                for r in rows:
+                    self._serve([r])
+                return
+            for r in rows:
+                fail_row(r, f"engine error: {type(e).__name__}: {e}", self.source_name, self.router)
+            return
+        busy = time.perf_counter() - t0
+        shares = busy_shares(busy * self.cfg.devices(), [len(r["prompt_ids"]) for r in rows],
+                             [None if res.error is not None else res.ids for res in results])
+        for r, res, share in zip(rows, results, shares, strict=True):
+            self._provenance(r)
+            if res.error is not None or res.ids is None:
+                fail_row(r, f"engine error: {res.error or 'no output ids'}", self.source_name, self.router)
+                continue
+            fill_from_engine(r, self.profile, res.ids, res.finish, res.seconds)
+            r["engine_s"] = share
+            served(r, self.source_name)
+
+    def _provenance(self, row: dict[str, Any]) -> None:
+        row.update(source=self.source_name, source_kind=self.kind, provider=self.kind, model=self.model_name,
+                   ids_from="engine", sampling=sampling_record(self.sampling, row["sample_id"]))

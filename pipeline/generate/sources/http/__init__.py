@@ -1,0 +1,1 @@
+"""HTTP API sources (OpenRouter): wire format, journal, replay, circuit, budget client."""

@@ -1,0 +1,378 @@
+"""A paid response is never paid twice: every billed API response goes to an append-only journal.
+
+Each HTTP source actor appends one JSON line per billed response (or billed
+failed attempt) to its own file, ``RunLayout(out).responses /
+f"{source}-{actor_uuid}.jsonl"`` (one writer per file: no cross-process locking).
+A killed run keeps what it was billed for, and a resumed run reads the journal
+(:func:`load_responses`) to rebuild those samples without the network, and
+restores the ledger's spend from it (:func:`billed_by_dataset`).
+
+Durability without slowing the event loop: ``append`` writes each record
+through to the OS before it returns (one ``os.write``; that survives a SIGKILL
+of the process), and a background thread fsyncs at most once per
+``flush_every_s`` (that bounds what a host crash loses). A failed write stops
+the journal and, through :class:`JournalError`, the source. Readers skip a torn
+last line (a kill mid-write).
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.base.layout import RunLayout
+
+try:
+    import orjson
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)  # serialises dataclasses natively
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover - orjson is a declared dependency
+    def _dumps(obj: Any) -> bytes:
+        if not isinstance(obj, dict):
+            obj = {name: getattr(obj, name) for name in _FIELDS}
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+    _loads = json.loads
+
+log = logging.getLogger(__name__)
+
+# response: a served, billed answer; billed_failure: a failed attempt that was (or may have been) billed;
+# gave_up: a run ran out of retries on transient failures for this prompt (bills nothing; counted across runs).
+Kind = Literal["response", "billed_failure", "gave_up"]
+KINDS = ("response", "billed_failure", "gave_up")
+SCHEMA_VERSION = 1
+
+
+def request_digest(body: Mapping[str, Any]) -> str:
+    """sha256 of a request body in canonical JSON (sorted keys, no spaces, UTF-8).
+
+    Digest the body as built from the prompt and the configuration only (no
+    run-time provider exclusions), so the same prompt under the same settings
+    gets the same digest in a resumed run; stdlib json keeps it stable whether
+    or not orjson is installed.
+    """
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+@dataclass(slots=True)
+class Record:
+    """One billed attempt: a served response, or a failed attempt the provider still billed.
+
+    ``billed_completion_tokens`` is ``usage.completion_tokens`` as the API sent it
+    (-1: no usage); ``charged_tokens`` is what the ledger was settled with when
+    that differs (the whole reservation when no usage came back). A
+    ``billed_failure`` carries the billing fields only.
+    """
+
+    sample_id: str
+    dataset: str
+    source: str
+    model: str
+    sampling: str  # JSON string, as in the sample rows
+    request_digest: str
+    kind: Kind = "response"
+    provider: str = ""
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    finish_reason: str = ""
+    native_finish_reason: str | None = None
+    billed_completion_tokens: int = 0
+    charged_tokens: int | None = None
+    cost: float = 0.0
+    generation_id: str = ""
+    t_generate_s: float = 0.0
+    attempts: int = 0
+    error: str = ""  # gave_up: the last failure (secrets redacted)
+    identity: str = ""  # the source's identity (model, endpoint, budget scope): what a renamed source replays
+    at: float = field(default_factory=time.time)  # when it was journaled (orders records across files)
+    v: int = SCHEMA_VERSION
+
+    @property
+    def charged(self) -> int:
+        """Tokens this attempt counts against its dataset's budget."""
+        if self.charged_tokens is not None:
+            return max(0, int(self.charged_tokens))
+        return max(0, int(self.billed_completion_tokens))
+
+    def to_json(self) -> bytes:
+        """One journal line, newline included."""
+        return _dumps(self) + b"\n"
+
+    @classmethod
+    def from_json(cls, line: bytes | str) -> Record:
+        """Parse one journal line; ValueError for a torn or foreign line (unknown keys are ignored)."""
+        data = _loads(line)
+        if not isinstance(data, dict):
+            raise ValueError("journal line is not an object")
+        missing = [k for k in _REQUIRED if k not in data]
+        if missing:
+            raise ValueError(f"journal line lacks {missing}")
+        if data.get("kind", "response") not in KINDS:
+            raise ValueError(f"unknown record kind {data.get('kind')!r}")
+        rec = cls(**{k: v for k, v in data.items() if k in _FIELD_SET})
+        if not isinstance(rec.sample_id, str) or not isinstance(rec.dataset, str):
+            raise ValueError("sample_id and dataset must be strings")
+        if not isinstance(rec.billed_completion_tokens, int):
+            raise ValueError("billed_completion_tokens must be an integer")
+        return rec
+
+
+_FIELDS = tuple(f.name for f in fields(Record))
+_FIELD_SET = frozenset(_FIELDS)
+_REQUIRED = ("sample_id", "dataset", "source", "model", "sampling", "request_digest")
+
+
+def journal_path(out: str | Path, source: str, actor_uuid: str) -> Path:
+    """The journal file of one source actor in run folder ``out``."""
+    return RunLayout(out).responses / f"{source}-{actor_uuid}.jsonl"
+
+
+class JournalError(RuntimeError):
+    """The journal cannot record billed responses (a write or fsync failed): the source must stop sending.
+
+    Raised by every ``append`` from the failing one on, and by ``flush``/``close``
+    of a failed journal. The message names the file and the OS error, never a record's content.
+    """
+
+
+class ResponseJournal:
+    """Append-only journal of one source actor's billed responses.
+
+    ``append`` writes its record through: one ``os.write`` of the whole line on an
+    O_APPEND descriptor (no Python-side buffer) before it returns, so a record is
+    the OS's once a request counts as answered and survives a SIGKILL of the
+    process. Writing to the page cache takes microseconds; what can stall
+    (``fsync``, slow on NFS) stays off the event loop: a daemon thread fsyncs at
+    most once per ``flush_every_s`` when something was written since, so a host
+    crash loses at most that window. ``flush`` fsyncs now; ``close`` fsyncs and
+    closes (also run at interpreter exit).
+
+    A failed write or fsync marks the journal failed for good (``error`` holds the
+    OS error) and raises :class:`JournalError`, then and on every later append:
+    a billed response that cannot be journaled must stop the source rather than
+    pile up in memory. Safe to call from one asyncio loop and from other threads:
+    a lock orders appends (a short write is finished before the next line starts),
+    another keeps ``fsync`` and ``close`` apart, and neither is held across the other's I/O.
+    """
+
+    def __init__(self, path: str | Path, flush_every_s: float = 1.0) -> None:
+        if flush_every_s <= 0:
+            raise ValueError("flush_every_s must be > 0")
+        self.path = Path(path)
+        self.flush_every_s = float(flush_every_s)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._heal_tail()
+        self._write_lock = threading.Lock()  # orders appends; guards _closed and the descriptor's life
+        self._sync_lock = threading.Lock()  # one fsync at a time, never across close
+        self._stop = threading.Event()
+        self._closed = False
+        self.error: OSError | None = None  # why the journal failed (it accepts nothing more)
+        self._failed_op = ""  # "write" or "fsync", once it failed
+        self.written = 0  # records handed to the OS (survive a kill of this process)
+        self.synced = 0  # records fsynced (survive a crash of the host)
+        self._thread = threading.Thread(target=self._run, name=f"journal:{self.path.name}", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def _heal_tail(self) -> None:
+        """Reopening a file whose last line was torn: start on a fresh line so the next record parses."""
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            os.write(self._fd, b"\n")
+
+    def append(self, record: Record) -> None:
+        """Write one record through to the OS before returning; :class:`JournalError` if it cannot be."""
+        line = record.to_json()
+        with self._write_lock:
+            if self.error is not None:
+                raise self._failure()
+            if self._closed:
+                raise ValueError(f"journal {self.path} is closed")
+            try:
+                done = os.write(self._fd, line)
+                while done < len(line):  # a short write (nearly full disk, a signal): finish this line first
+                    n = os.write(self._fd, memoryview(line)[done:])
+                    if n <= 0:
+                        raise OSError(errno.EIO, "write wrote nothing")
+                    done += n
+            except OSError as e:
+                self._fail(e, "write")
+                raise self._failure() from e
+            self.written += 1
+
+    def flush(self) -> None:
+        """fsync now (blocking); raises :class:`JournalError` if the journal failed (now or before)."""
+        self._sync()
+        if self.error is not None:
+            raise self._failure()
+
+    def close(self) -> None:
+        """fsync and close; idempotent. Raises :class:`JournalError` if the journal failed."""
+        with self._write_lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        try:
+            self._sync()
+        finally:
+            with self._write_lock, self._sync_lock:
+                os.close(self._fd)
+                self._fd = -1
+        if self.error is not None:
+            raise self._failure()
+
+    def __enter__(self) -> ResponseJournal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- durability and failure ------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_every_s):
+            self._sync()
+
+    def _sync(self) -> None:
+        """fsync if anything was written since the last one (every record counted in ``written`` is covered)."""
+        with self._sync_lock:
+            target = self.written
+            # After a failed write the lines before it are still worth an fsync; after a failed fsync,
+            # another one proves nothing (the kernel reports a lost writeback once).
+            if self._fd < 0 or target == self.synced or self._failed_op == "fsync":
+                return
+            try:
+                os.fsync(self._fd)
+            except OSError as e:
+                self._fail(e, "fsync")
+                return
+            self.synced = target
+
+    def _fail(self, e: OSError, what: str) -> None:
+        if self.error is None:
+            self.error, self._failed_op = e, what
+            log.error("journal %s: %s failed, the source must stop: %s", self.path, what, _os_error_text(e))
+
+    def _failure(self) -> JournalError:
+        assert self.error is not None
+        return JournalError(f"journal {self.path}: {self._failed_op} failed: {_os_error_text(self.error)}"
+                            f" ({self.written} record(s) written before)")
+
+
+def _os_error_text(e: OSError) -> str:
+    """``No space left on device (ENOSPC)``: the errno's text and name, without whatever else an OSError carries."""
+    if e.errno is None:
+        return type(e).__name__
+    return f"{os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
+
+
+# -- reading ------------------------------------------------------------------------
+
+
+def iter_journal(path: str | Path) -> Iterator[Record]:
+    """The records of one journal file in write order; skips a torn last line, and (loudly) any other bad line."""
+    with open(path, "rb") as fh:
+        lines = fh.read().split(b"\n")
+    last = len(lines) - 1
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield Record.from_json(line)
+        except (ValueError, TypeError) as e:
+            if i == last:
+                log.info("journal %s: skipping a torn last line (%d bytes)", path, len(line))
+            else:
+                log.warning("journal %s: skipping unreadable line %d: %s", path, i + 1, e)
+
+
+def journal_files(folder: str | Path, source: str) -> list[Path]:
+    """The journal files of one source in a responses folder (``RunLayout(out).responses``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob(f"{_glob_escape(source)}-*.jsonl") if p.is_file())
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def _records(folder: str | Path, source: str) -> Iterator[Record]:
+    for path in journal_files(folder, source):
+        for rec in iter_journal(path):
+            if rec.source == source:  # "a-*" also matches source "a-b"'s files
+                yield rec
+
+
+def load_responses(folder: str | Path, source: str) -> dict[str, Record]:
+    """sample_id -> the latest journaled response of ``source`` across all its actors' files.
+
+    ``folder`` is the responses folder (``RunLayout(out).responses``). Compare a
+    record's ``request_digest`` with the request a resumed run would send before
+    reusing it: a changed prompt or setting needs a new response.
+    """
+    out: dict[str, Record] = {}
+    for rec in _records(folder, source):
+        if rec.kind != "response":
+            continue
+        seen = out.get(rec.sample_id)
+        if seen is None or rec.at >= seen.at:
+            out[rec.sample_id] = rec
+    return out
+
+
+def billed_by_dataset(folder: str | Path, source: str) -> dict[str, int]:
+    """Completion tokens journaled per dataset (responses and billed failures), to restore the ledger's spend.
+
+    The provider billed them whether or not a sample was written. A record
+    journaled twice under one ``generation_id`` counts once.
+    """
+    return _per_dataset(folder, source, lambda rec: rec.charged, 0)
+
+
+def cost_by_dataset(folder: str | Path, source: str) -> dict[str, float]:
+    """Reported cost per dataset, counted like :func:`billed_by_dataset` (for ``Ledger.restore``)."""
+    return _per_dataset(folder, source, lambda rec: float(rec.cost or 0.0), 0.0)
+
+
+def _per_dataset(folder: str | Path, source: str, value: Callable[[Record], Any], zero: Any) -> dict[str, Any]:
+    totals: dict[str, Any] = {}
+    seen: set[str] = set()
+    for rec in _records(folder, source):
+        if rec.generation_id:
+            if rec.generation_id in seen:
+                continue
+            seen.add(rec.generation_id)
+        totals[rec.dataset] = totals.get(rec.dataset, zero) + value(rec)
+    return totals
+
+
+def gave_up_counts(folder: str | Path, source: str) -> dict[str, tuple[int, str]]:
+    """sample_id -> (runs that gave up on it after transient failures, the last such error)."""
+    out: dict[str, tuple[int, str]] = {}
+    for rec in _records(folder, source):
+        if rec.kind == "gave_up":
+            n, _ = out.get(rec.sample_id, (0, ""))
+            out[rec.sample_id] = (n + 1, rec.error)
+    return out
+

@@ -1,0 +1,152 @@
+"""What this output folder already paid for: an index of every journaled response, read by each source actor.
+
+A source actor that starts (or restarts after its predecessor was killed) must
+not pay again for a response any actor of this run or of an earlier one was
+billed for. Each actor reads every response journal of its source in the run
+folder before it sends anything, and reads what the other actors appended
+since before each batch (a batch retried on a live actor after its first actor
+died). The index holds where each response lies (file, offset), not the
+response, so a million-response folder costs an actor tens of MB, not GB.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.generate.sources.http.journal import Record, journal_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Where:
+    path: Path
+    start: int
+    end: int
+    at: float
+
+
+@dataclass
+class ReplayIndex:
+    """sample id -> the latest journaled response of one source in one run folder's responses/ directory.
+
+    ``exclude``: this actor's own journal file (what it wrote itself it already knows). ``identity``: when
+    given, records of another identity (model and endpoint) are skipped, whatever their source name.
+    """
+
+    folder: Path
+    source: str
+    exclude: Path | None = None
+    identity: str | None = None
+    _where: dict[str, _Where] = field(default_factory=dict)
+    _scanned: dict[Path, int] = field(default_factory=dict)  # bytes of each file already indexed
+    taken: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.folder = Path(self.folder)
+        self.refresh()
+
+    def refresh(self) -> int:
+        """Index what was appended since the last call (new files included); returns how many records."""
+        n = 0
+        files = sorted(self.folder.glob("*.jsonl")) if self.identity and self.folder.is_dir() \
+            else journal_files(self.folder, self.source)
+        for path in files:
+            if self.exclude is not None and path == self.exclude:
+                continue
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            done = self._scanned.get(path, 0)
+            if size <= done:
+                continue
+            n += self._scan(path, done, size)
+        return n
+
+    def _scan(self, path: Path, start: int, size: int, chunk: int = 8 << 20) -> int:
+        """Index whole lines in [start, size), ``chunk`` bytes at a time (a journal of long reasoning answers
+        can be GBs); a line still being written is left for the next refresh."""
+        n, pos, carry = 0, start, b""
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                while pos + len(carry) < size:
+                    data = carry + f.read(min(chunk, size - pos - len(carry)))
+                    if len(data) == len(carry):
+                        break  # the file shrank (it never should): index what was read
+                    cut = data.rfind(b"\n") + 1
+                    n += self._index_lines(path, pos, data[:cut])
+                    pos += cut
+                    carry = data[cut:]
+        except OSError as e:
+            log.warning("replay index: cannot read %s: %s", path, e)
+        self._scanned[path] = pos
+        return n
+
+    def _index_lines(self, path: Path, offset: int, data: bytes) -> int:
+        n, at = 0, 0
+        while at < len(data):
+            nl = data.index(b"\n", at)
+            line = data[at:nl]
+            if line.strip():
+                try:
+                    rec = Record.from_json(line)
+                except (ValueError, TypeError):
+                    rec = None  # a torn line healed by a newline, or a foreign one: nothing to replay
+                if rec is not None and self._wanted(rec):
+                    seen = self._where.get(rec.sample_id)
+                    if seen is None or rec.at >= seen.at:
+                        self._where[rec.sample_id] = _Where(path, offset + at, offset + nl, rec.at)
+                    n += 1
+            at = nl + 1
+        return n
+
+    def _wanted(self, rec: Record) -> bool:
+        """A response of this source: by identity when both sides have one (a renamed source keeps its
+        responses), else by name."""
+        if rec.kind != "response":
+            return False
+        if self.identity and rec.identity:
+            return rec.identity == self.identity
+        return rec.source == self.source
+
+    def get(self, sample_id: str) -> Record | None:
+        """The journaled response for this prompt, or None; reads it from its file."""
+        where = self._where.get(sample_id)
+        if where is None:
+            return None
+        try:
+            with open(where.path, "rb") as f:
+                f.seek(where.start)
+                return Record.from_json(f.read(where.end - where.start))
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("replay index: cannot re-read the response of %s in %s: %s", sample_id, where.path, e)
+            return None
+
+    def pop(self, sample_id: str, default: Record | None = None) -> Record | None:
+        """Like ``dict.pop``: the engine's replay protocol (a response is replayed at most once per actor)."""
+        if sample_id in self.taken:
+            return default
+        rec = self.get(sample_id)
+        if rec is None:
+            return default
+        self.taken.add(sample_id)
+        return rec
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+class DictReplay(dict):
+    """A fixed replay set (tests, benches): the same protocol as :class:`ReplayIndex`, nothing to refresh."""
+
+    def refresh(self) -> int:
+        return 0
+
+
+def replay_source(replay: ReplayIndex | Mapping[str, Record] | None) -> ReplayIndex | DictReplay:
+    return replay if isinstance(replay, ReplayIndex) else DictReplay(replay or {})

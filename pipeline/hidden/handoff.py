@@ -1,0 +1,259 @@
+"""From written samples to a trained drafter: hidden-state extraction handed to the Ray Train loop.
+
+Two ways to hand the states over, one flow:
+
+- ``stream`` (default): the extraction actors' Ray Dataset *is* the training
+  input; nothing is written. Held-out evaluation re-runs a small extraction.
+- ``shards``: extraction writes Arrow shards to ``hidden/`` first (resumable);
+  training and held-out evaluation read them back.
+
+Either way a hash-chosen held-out slice of the samples (``heldout_fraction``)
+never reaches training or the draft vocabulary, and the exported drafter's
+acceptance on it ends the phase.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow.parquet as pq
+
+from pipeline.base.config import ExtractionConfig, RunConfig
+from pipeline.base.console import Console, ExtractWatch, TrainWatch, heldout_line, served_line
+from pipeline.base.layout import RunLayout
+from pipeline.base.records import read_samples, read_samples_dataset
+from pipeline.report.summary import Timings
+
+if TYPE_CHECKING:
+    from training.vocab import VocabMapping
+
+SAMPLE_INPUT_COLUMNS = ["sample_id", "dataset", "row_index", "source", "prompt_ids", "prompt_assistant_mask",
+                        "output_ids"]
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What every step of the phase needs: the config, the folder, the layers to capture."""
+
+    cfg: RunConfig
+    layout: RunLayout
+    aux_layer_ids: list[int]
+    heldout: float  # fraction of samples held out of training
+
+    def extractor_kwargs(self) -> dict[str, Any]:
+        ex = self.cfg.extraction
+        vllm = dict(ex.vllm)
+        if ex.tensor_parallel_size > 1:  # workers as Ray tasks in the actor's placement group (extraction_resources)
+            vllm |= {"tensor_parallel_size": ex.tensor_parallel_size, "distributed_executor_backend": "ray"}
+        return {"backend": ex.backend, "dtype": ex.dtype, "device_map": ex.device_map, "vllm_options": vllm,
+                "stats_dir": str(self.layout.extract_stats), "target_ids": ex.stores_target_ids}
+
+    def resources(self) -> dict[str, Any]:
+        return extraction_resources(self.cfg.extraction)
+
+    def split(self, rows: Any, keep_heldout: bool) -> Any:
+        """Only the held-out rows (at most ``heldout_max_samples``, for evaluation), or all the others."""
+        from training.heldout import select_heldout
+
+        if not self.heldout:
+            return rows
+        split = rows.map_batches(select_heldout, fn_kwargs={"fraction": self.heldout, "keep": keep_heldout},
+                                 batch_format="pyarrow", num_cpus=0)
+        return split.limit(self.cfg.training.heldout_max_samples) if keep_heldout else split
+
+    def hidden_rows(self, keep_heldout: bool) -> Any:
+        """Extracted rows (hidden states + loss mask) as a Ray Dataset: the training rows or the held-out ones."""
+        import ray.data
+
+        ex = self.cfg.extraction
+        if ex.mode == "shards":
+            from pipeline.hidden.shards import hidden_shards_dataset
+
+            return self.split(hidden_shards_dataset(self.layout.hidden), keep_heldout)
+        from pipeline.hidden.extract import HiddenStateExtractor
+
+        samples, _ = read_samples_dataset(self.layout.samples, SAMPLE_INPUT_COLUMNS)  # one row per sample id
+        return self.split(samples, keep_heldout).map_batches(
+            HiddenStateExtractor,
+            fn_constructor_args=(self.cfg.model.path, self.aux_layer_ids, ex.max_len, ex.too_long, ex.batch_tokens,
+                                 str(self.layout.quarantine)),
+            fn_constructor_kwargs=self.extractor_kwargs() | {"out_dtype": ex.shard_dtype},
+            batch_format="pyarrow", batch_size=ex.rows_per_call,
+            compute=ray.data.ActorPoolStrategy(size=ex.num_actors), **self.resources(),
+        )
+
+    def write_shards(self) -> None:
+        """Mode ``shards``: extract every passed sample (held-out ones too) into ``hidden/``; resumable."""
+        from pipeline.hidden.shards import extract_to_shards
+
+        ex, lay = self.cfg.extraction, self.layout
+        extract_to_shards(lay.samples, lay.hidden, model_dir=self.cfg.model.path, aux_layer_ids=self.aux_layer_ids,
+                          max_len=ex.max_len, too_long=ex.too_long, batch_tokens=ex.batch_tokens,
+                          quarantine_dir=lay.quarantine, samples_per_shard=ex.samples_per_shard,
+                          rows_per_call=ex.rows_per_call, dtype=ex.shard_dtype, num_actors=ex.num_actors,
+                          num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=self.extractor_kwargs(),
+                          ray_resources=self.resources())
+
+
+def extraction_resources(ex: ExtractionConfig) -> dict[str, Any]:
+    """``map_batches`` resources of an extraction actor. An engine backend with TP > 1 (validated: vllm on
+    GPUs) is placed like a vLLM source's actor: no GPU itself, a placement group of TP one-GPU bundles on
+    one node that the engine's Ray workers fill (pipeline.generate.sources.chain). Otherwise the actor holds
+    ``num_cpus``/``num_gpus`` (a fraction of a GPU too) itself. A vLLM engine actor also gets the engine
+    actors' runtime env, so it stops its engine itself when retired (see ENGINE_ACTOR_ENV)."""
+    from pipeline.generate.sources.chain import ENGINE_ACTOR_ENV, engine_resources
+
+    if ex.tensor_parallel_size > 1:
+        resources = engine_resources(ex)
+    else:
+        resources = {"num_cpus": ex.num_cpus, "num_gpus": ex.num_gpus,
+                     **({"resources": dict(ex.resources)} if ex.resources else {})}
+    return resources | ({"runtime_env": ENGINE_ACTOR_ENV} if ex.backend == "vllm" else {})
+
+
+@contextmanager
+def placement_groups_released() -> Iterator[None]:
+    """The placement groups an extraction pass made outlive its actors: remove them when the pass ends, so
+    the next pass (held-out evaluation) finds the GPUs free."""
+    try:
+        yield
+    finally:
+        from pipeline.generate.sources.chain import release_placement_groups
+
+        release_placement_groups()
+
+
+def skip_reason(cfg: RunConfig, layout: RunLayout) -> str | None:
+    if not any(layout.samples.glob("*.parquet")):
+        return "no passed samples to train on"
+    if cfg.training is None and cfg.extraction.mode == "stream":
+        return "training is off and extraction streams into training: nothing to extract"
+    return None
+
+
+def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
+                      console: Console | None = None) -> dict[str, Any]:
+    """Extract hidden states, train the drafter on them, export it, and measure it on held-out samples; each
+    step shows its progress on ``console``."""
+    from pipeline.hidden.extract import bytes_per_token, read_extract_stats
+    from training.config import DraftTrainConfig, resolve_aux_layer_ids
+    from training.target import read_target_config
+
+    if reason := skip_reason(cfg, layout):
+        return {"skipped": reason}
+    console = console or Console()
+    tcfg, ex = cfg.training, cfg.extraction
+    target_cfg = read_target_config(cfg.model.path)  # the language model's, also for a multimodal checkpoint
+    aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg["num_hidden_layers"])
+    h = Handoff(cfg, layout, aux_ids, tcfg.heldout_fraction if tcfg is not None else 0.0)
+    result: dict[str, Any] = {"aux_layer_ids": aux_ids, "extraction_mode": ex.mode,
+                              "bytes_per_token": bytes_per_token(target_cfg["hidden_size"], len(aux_ids))}
+    if ex.mode == "shards":
+        t0 = time.perf_counter()
+        with placement_groups_released(), console.phase(ExtractWatch(layout.extract_stats, None).line):
+            h.write_shards()
+        timings.add("extract", t0)
+    rows = h.hidden_rows(keep_heldout=False)
+    t0 = time.perf_counter()
+    if tcfg is None:
+        with placement_groups_released():
+            result["extracted"] = rows.count()
+        timings.add("read_shards", t0)
+    else:
+        from training.heldout import heldout_acceptance
+        from training.train import train_drafter
+
+        # counted from the samples, not the stream: counting the stream would run the extraction once more
+        vocab = draft_vocab_from_samples(layout, target_cfg["vocab_size"], tcfg.draft_vocab_size, ex.max_len,
+                                         ex.too_long, h.heldout) if ex.mode == "stream" else None
+        # a materialized stream is extracted whole before the first step; otherwise extraction runs alongside
+        feeding = ExtractWatch(layout.extract_stats, training_samples(layout, h.heldout)) \
+            if ex.mode == "stream" and tcfg.materialize else None
+        with placement_groups_released(), console.phase(TrainWatch(layout.metrics, tcfg.steps, feeding).lines):
+            res = train_drafter(rows, tcfg.model_copy(update={"aux_layer_ids": aux_ids}), cfg.model.path,
+                                layout.drafter, vocab=vocab)
+        timings.add("extract+train" if ex.mode == "stream" else "train", t0)
+        result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
+                      metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
+        if h.heldout:
+            t0 = time.perf_counter()
+            watch = ExtractWatch(layout.extract_stats, None, label="held-out")
+
+            def held_line(final: bool) -> str:
+                if final and "heldout" in result:
+                    return heldout_line(result["heldout"], time.perf_counter() - t0)
+                return watch.line() if ex.mode == "stream" else "[held-out] measuring the drafter"
+
+            with console.phase(held_line):
+                # stream mode: a second, small extraction pass (one more engine start-up); shards: a re-read
+                with placement_groups_released():
+                    held = h.hidden_rows(keep_heldout=True).take_all()
+                result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held, tcfg.eval_k,
+                                                       sample_labels(layout, [r["sample_id"] for r in held]))
+            timings.add("heldout_eval", t0)
+            if tcfg.served_eval:
+                result["served"] = served_phase(cfg, layout, console, str(res.export_dir), result["heldout"],
+                                                [str(r["sample_id"]) for r in held], timings)
+    result["extraction"] = read_extract_stats(layout.extract_stats) if layout.extract_stats.exists() else {}
+    return result
+
+
+def served_phase(cfg: RunConfig, layout: RunLayout, console: Console, export_dir: str, heldout: dict[str, Any],
+                 sample_ids: list[str], timings: Timings) -> dict[str, Any]:
+    """The export served by vLLM on the held-out prompts (pipeline.hidden.served_eval), with its console line."""
+    from pipeline.hidden.served_eval import measure_served
+
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {}
+
+    def line(final: bool) -> str:
+        return served_line(out, time.perf_counter() - t0) if final else "[served] measuring the export in vLLM"
+
+    with console.phase(line), placement_groups_released():
+        out.update(measure_served(cfg, export_dir, layout.samples, heldout, sample_ids))
+    timings.add("served_eval", t0)
+    return out
+
+
+def sample_labels(layout: RunLayout, sample_ids: list[Any]) -> dict[str, dict[str, Any]]:
+    """Dataset and source of these samples (hidden rows carry neither), from one columnar read of samples/."""
+    want = {str(s) for s in sample_ids}
+    rows, _ = read_samples(layout.samples, ["sample_id", "dataset", "source"])
+    return {r["sample_id"]: r for r in rows if r["sample_id"] in want}
+
+
+def training_samples(layout: RunLayout, heldout_fraction: float) -> int:
+    """Passed samples that reach training (the held-out ones excepted): what a streamed extraction will do."""
+    from training.heldout import is_held_out
+
+    ids = {sid for f in sorted(layout.samples.glob("*.parquet"))
+           for sid in pq.read_table(f, columns=["sample_id"]).column("sample_id").to_pylist()}
+    return sum(not is_held_out(sid, heldout_fraction) for sid in ids)
+
+
+def draft_vocab_from_samples(layout: RunLayout, vocab_size: int, draft_vocab_size: int, max_len: int,
+                             too_long: str, heldout_fraction: float = 0.0) -> VocabMapping:
+    """The draft vocabulary over the loss-masked tokens the extraction stage will emit for the training
+    samples (held-out samples excluded)."""
+    from pipeline.hidden.extract import prepare_sample
+    from training.heldout import is_held_out
+    from training.vocab import build_vocab_mapping
+
+    def rows() -> Iterator[dict[str, Any]]:
+        seen: set[str] = set()  # a sample written twice counts once
+        for f in sorted(layout.samples.glob("*.parquet")):
+            table = pq.read_table(f, columns=["sample_id", "prompt_ids", "prompt_assistant_mask", "output_ids"])
+            for r in table.to_pylist():
+                if is_held_out(r["sample_id"], heldout_fraction) or r["sample_id"] in seen:
+                    continue
+                seen.add(r["sample_id"])
+                prepared = prepare_sample(r["prompt_ids"], r["prompt_assistant_mask"], r["output_ids"], max_len,
+                                          too_long)
+                if not isinstance(prepared, str):  # a reason: the extraction stage quarantines it
+                    yield {"input_ids": prepared[0], "loss_mask": prepared[1]}
+
+    return build_vocab_mapping(rows(), vocab_size, draft_vocab_size)

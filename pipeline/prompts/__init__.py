@@ -1,0 +1,1 @@
+"""Prompts in: dataset files read, ids assigned, malformed rows to quarantine."""

@@ -1,0 +1,524 @@
+"""Read prompt files in the common shapes into one canonical conversation row.
+
+Every input row ends as exactly one of: a prompt row (``sample_id``, ``dataset``,
+``row_index``, ``messages`` and ``tools`` as JSON text, ``thinking``) or a
+quarantine row with the reason. Parsing is pure; reading is thin.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.base.config import DatasetConfig
+
+log = logging.getLogger(__name__)
+
+ROLES = {"system", "user", "assistant", "tool"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
+DEFAULT_COLUMNS = {
+    "messages": {"messages": "messages", "tools": "tools"},
+    "sharegpt": {"conversations": "conversations", "system": "system", "tools": "tools"},
+    "instruction": {"instruction": "instruction", "input": "input", "system": "system"},
+    "glaive": {"system": "system", "chat": "chat"},
+}
+
+
+class RowError(ValueError):
+    """A malformed input row; the message is the quarantine reason."""
+
+    raw: Any = None  # the unparsed text, for a line that is not JSON
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be read at all (one bad row is a RowError instead); names the file."""
+
+
+@dataclass
+class Prompt:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+
+
+def _column(row: dict[str, Any], columns: dict[str, str], field: str, required: bool = True) -> Any:
+    col = columns[field]
+    if col not in row or row[col] is None:
+        if required:
+            raise RowError(f"missing column {col!r}")
+        return None
+    return row[col]
+
+
+def _maybe_json(value: Any, what: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RowError(f"{what} is a string but not valid JSON: {e}") from None
+    return value
+
+
+def _norm_tools(tools: Any) -> list[dict[str, Any]] | None:
+    if isinstance(tools, str) and not tools.strip():  # "" is how tool-less rows are often written
+        return None
+    tools = _maybe_json(tools, "tools")
+    if tools in (None, "", []):
+        return None
+    if not isinstance(tools, list):
+        raise RowError(f"tools must be a list, got {type(tools).__name__}")
+    out = []
+    for t in tools:
+        if not isinstance(t, dict):
+            raise RowError("each tool must be an object")
+        fn = t.get("function", t)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RowError("each tool needs a function name")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _norm_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """OpenAI-style calls with JSON-text arguments; a malformed call is a RowError."""
+    calls = _maybe_json(calls, f"message {i} tool_calls")
+    if not isinstance(calls, list):
+        raise RowError(f"message {i} tool_calls must be a list, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RowError(f"message {i} tool call {j} needs a function name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                json.loads(args or "{}")
+            except json.JSONDecodeError:
+                raise RowError(f"message {i} tool call {j} arguments are not valid JSON") from None
+            args = args or "{}"
+        elif isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        else:
+            raise RowError(f"message {i} tool call {j} arguments must be an object or JSON text")
+        call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else f"call_{j}"
+        out.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _check_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise RowError("conversation must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RowError(f"message {i} is not an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise RowError(f"message {i} has unknown role {role!r}")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            if isinstance(content, list):  # OpenAI content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            else:
+                raise RowError(f"message {i} content must be text")
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise RowError(f"message {i} is a {role} message with tool_calls")
+            msg["tool_calls"] = _norm_tool_calls(m["tool_calls"], i)
+        if m.get("name"):
+            msg["name"] = m["name"]
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    # The response is what we generate: drop trailing assistant turns.
+    while out and out[-1]["role"] == "assistant":
+        out.pop()
+    if not any(m["role"] == "user" for m in out):
+        raise RowError("conversation has no user message to respond to")
+    if out[-1]["role"] not in ("user", "tool"):
+        raise RowError(f"conversation ends with a {out[-1]['role']} message")
+    return out
+
+
+def _parse_messages(row: dict[str, Any], cols: dict[str, str]) -> Prompt:
+    messages = _maybe_json(_column(row, cols, "messages"), "messages")
+    tools = _norm_tools(_column(row, cols, "tools", required=False))
+    return Prompt(_check_messages(messages), tools)
+
+
+def _parse_sharegpt(row: dict[str, Any], cols: dict[str, str]) -> Prompt:
+    conv = _maybe_json(_column(row, cols, "conversations"), "conversations")
+    if not isinstance(conv, list):
+        raise RowError("conversations must be a list")
+    messages = []
+    system = _column(row, cols, "system", required=False)
+    if system:
+        messages.append({"role": "system", "content": system})
+    for i, turn in enumerate(conv):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise RowError(f"turn {i} needs 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise RowError(f"turn {i} has unknown speaker {turn['from']!r}")
+        messages.append({"role": role, "content": turn["value"]})
+    tools = _norm_tools(_column(row, cols, "tools", required=False))
+    return Prompt(_check_messages(messages), tools)
+
+
+def _parse_instruction(row: dict[str, Any], cols: dict[str, str]) -> Prompt:
+    instruction = _column(row, cols, "instruction")
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise RowError("instruction is empty")
+    extra = _column(row, cols, "input", required=False)
+    text = instruction + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
+    messages = []
+    system = _column(row, cols, "system", required=False)
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": text})
+    return Prompt(_check_messages(messages), None)
+
+
+_GLAIVE_TURN = re.compile(r"(USER|ASSISTANT|FUNCTION RESPONSE):\s*")
+_GLAIVE_QUOTED_ARGS = re.compile(r"""("arguments"\s*:\s*)'(.*)'(\s*\})""", re.DOTALL)
+
+
+def _json_objects(text: str) -> list[Any]:
+    """Every top-level JSON object in free text, in order."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while (i := text.find("{", i)) != -1:
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            i += 1
+            continue
+        out.append(obj)
+        i = end
+    return out
+
+
+def _parse_glaive(row: dict[str, Any], cols: dict[str, str]) -> Prompt:
+    """Glaive function-calling shape: tool JSON in the system text, a USER:/ASSISTANT: transcript."""
+    system = _column(row, cols, "system")
+    chat = _column(row, cols, "chat")
+    if not isinstance(system, str) or not isinstance(chat, str):
+        raise RowError("system and chat must be text")
+    head = system.removeprefix("SYSTEM:").strip()
+    tool_defs = [o for o in _json_objects(head) if isinstance(o, dict) and "name" in o]
+    # Glaive writes "... Use them if required -\n{...}": cut at the first definition, drop the " -".
+    sys_text = head.split("{", 1)[0].rstrip().removesuffix("-").rstrip() if tool_defs else head
+    messages: list[dict[str, Any]] = [{"role": "system", "content": sys_text}] if sys_text else []
+    parts = _GLAIVE_TURN.split(chat)
+    if len(parts) < 3:
+        raise RowError("chat has no USER:/ASSISTANT: turns")
+    roles = {"USER": "user", "ASSISTANT": "assistant", "FUNCTION RESPONSE": "tool"}
+    n_calls = 0
+    for speaker, body in zip(parts[1::2], parts[2::2], strict=True):
+        body = body.replace("<|endoftext|>", "").strip()
+        msg: dict[str, Any] = {"role": roles[speaker], "content": body}
+        if speaker == "ASSISTANT" and body.startswith("<functioncall>"):
+            # Glaive quotes the arguments JSON in single quotes: {"name": "f", "arguments": '{"a": 1}'}.
+            body = _GLAIVE_QUOTED_ARGS.sub(lambda m: m[1] + json.dumps(m[2]) + m[3], body)
+            calls = _json_objects(body)
+            if not calls or not isinstance(calls[0].get("name"), str):
+                raise RowError("assistant <functioncall> holds no call JSON")
+            call = calls[0]
+            args = _maybe_json(call.get("arguments", {}), "function arguments")
+            msg = {"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{n_calls}", "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}}]}
+            n_calls += 1
+        elif speaker == "FUNCTION RESPONSE" and n_calls:
+            msg["tool_call_id"] = f"call_{n_calls - 1}"
+        messages.append(msg)
+    return Prompt(_check_messages(messages), _norm_tools(tool_defs))
+
+
+PARSERS = {
+    "messages": _parse_messages,
+    "sharegpt": _parse_sharegpt,
+    "instruction": _parse_instruction,
+    "glaive": _parse_glaive,
+}
+
+
+def parse_row(row: Any, fmt: str, columns: dict[str, str] | None = None) -> Prompt:
+    """Canonical prompt for one raw row; raises RowError naming what is wrong."""
+    if not isinstance(row, dict):
+        raise RowError(f"row is a {type(row).__name__}, not an object")
+    cols = {**DEFAULT_COLUMNS[fmt], **(columns or {})}
+    return PARSERS[fmt](row, cols)
+
+
+def sample_id(dataset: str, row_index: int, prompt: Prompt) -> str:
+    """Stable id: dataset name + row index + hash of the canonical content."""
+    canon = json.dumps({"m": prompt.messages, "t": prompt.tools}, sort_keys=True, ensure_ascii=False)
+    return f"{dataset}:{row_index}:{hashlib.sha256(canon.encode()).hexdigest()[:12]}"
+
+
+_JSON_TYPES = {dict: "an object", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+_JSON_OPENERS = {"{": "an object", '"': "a string", "t": "a boolean", "f": "a boolean", "n": "null"}
+_CHUNK = 1 << 20  # bytes a JSONL file is read in: memory is a chunk and one line, whatever the file's size
+
+
+def _check_file(path: Path) -> None:
+    """A folder or a missing path is a DatasetError (pyarrow would read a folder as a partitioned dataset)."""
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a folder, expected a .jsonl, .json or .parquet file")
+    if not path.exists():
+        raise DatasetError(f"{path}: file not found")
+
+
+def _unreadable(path: Path, e: OSError) -> DatasetError:
+    return DatasetError(f"{path}: cannot be read: {e.strerror or e}")
+
+
+def _read_bytes(path: Path) -> bytes:
+    _check_file(path)
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _not_parquet(path: Path, e: Exception) -> DatasetError:
+    why = re.sub(r"^Could not open Parquet input source '[^']*': ", "", str(e)).strip()
+    return DatasetError(f"{path}: not a valid Parquet file: {why}")
+
+
+def _parquet_rows(path: Path) -> Iterator[Any]:
+    """Row group by row group (pyarrow batches), so a large file is never one table in memory."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _check_file(path)
+    try:
+        with pq.ParquetFile(path) as f:
+            for batch in f.iter_batches():
+                yield from batch.to_pylist()
+    except PermissionError as e:
+        raise _unreadable(path, e) from None
+    except (pa.ArrowException, OSError) as e:  # a corrupt footer is ArrowInvalid, corrupt metadata an OSError
+        raise _not_parquet(path, e) from None
+
+
+def _json_rows(path: Path, data: bytes, keep: bool = True) -> list[Any]:
+    """The rows of a .json file, which holds one list; a whitespace-only file is empty, not broken.
+
+    ``keep=False`` checks the file the same way (same errors, same row count) but keeps no row: every JSON
+    object parses to None as soon as it is read (``count_rows`` and ``check_dataset`` hold no rows)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DatasetError(f"{path}: not valid UTF-8 at line {line}: {e.reason}") from None
+    if not text.strip():
+        return []
+    try:
+        rows = json.loads(text) if keep else json.loads(text, object_pairs_hook=lambda _: None)
+    except json.JSONDecodeError as e:
+        hint = "; one JSON value per line? name the file .jsonl" if e.msg == "Extra data" else ""
+        raise DatasetError(f"{path}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno}{hint})") from None
+    if not isinstance(rows, list):
+        found = _JSON_TYPES.get(type(rows), "null")
+        if not keep:  # an object read as None: its first character says what it was
+            found = _JSON_OPENERS.get(text.lstrip()[0], found)
+        raise DatasetError(f"{path}: a .json dataset must hold a list of rows, found {found}")
+    return rows
+
+
+def _bad_line(reason: str, line: bytes) -> RowError:
+    err = RowError(reason)
+    err.raw = line.decode("utf-8", "backslashreplace")  # the bad bytes stay visible in quarantine
+    return err
+
+
+def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """The lines of the concatenated chunks exactly as ``bytes.splitlines`` gives them (\\n, \\r\\n and \\r),
+    holding one chunk and one line: a piece without its end, or ending in \\r (a \\n may open the next chunk),
+    waits for the next chunk."""
+    carry = b""
+    for chunk in chunks:
+        pieces = (carry + chunk).splitlines(keepends=True)
+        carry = pieces.pop() if pieces and (pieces[-1].endswith(b"\r") or not pieces[-1].endswith(b"\n")) else b""
+        for piece in pieces:
+            yield piece[:-2] if piece.endswith(b"\r\n") else piece[:-1]
+    yield from carry.splitlines()
+
+
+def _file_chunks(path: Path, size: int = _CHUNK) -> Iterator[bytes]:
+    """The file's bytes in chunks, a leading UTF-8 BOM dropped (editors on Windows write one; json.loads
+    refuses it)."""
+    _check_file(path)
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(codecs.BOM_UTF8))
+            yield head.removeprefix(codecs.BOM_UTF8)
+            while chunk := f.read(size):
+                yield chunk
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _jsonl_rows(path: Path, lines: Iterator[bytes]) -> Iterator[tuple[int, Any]]:
+    """Decoded line by line, so one line that is not UTF-8 or not JSON is one quarantined row, not a failed run."""
+    index = 0
+    for lineno, line in enumerate(lines, 1):  # \n, \r\n and \r, as text mode splits
+        where = f"{path.name} line {lineno}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield index, _bad_line(f"line is not valid UTF-8 ({where}): {e.reason} at byte {e.start}", line)
+            index += 1
+            continue
+        if not text.strip():
+            continue
+        try:
+            yield index, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield index, _bad_line(f"line is not valid JSON ({where}): {e.msg} (column {e.colno})", line)
+        index += 1
+
+
+def read_raw_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(row index, row) pairs; a JSONL line that is not UTF-8 or not JSON yields a RowError in place of the row.
+
+    Streamed: a JSONL file is read a chunk at a time and a Parquet file a row group at a time (a .json file
+    holds one list, read whole). A file that cannot be read as a whole (a folder, missing, not valid JSON or
+    Parquet) raises DatasetError, when the iteration reaches it.
+    """
+    path = Path(path)
+    if path.suffix == ".parquet":
+        yield from enumerate(_parquet_rows(path))
+    elif path.suffix == ".json":
+        yield from enumerate(_json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8)))
+    else:
+        yield from _jsonl_rows(path, _split_lines(_file_chunks(path)))
+
+
+def warn_empty(cfg: DatasetConfig) -> None:
+    """The warning for a dataset file without rows (legal, but the user should know)."""
+    log.warning("dataset %r: %s holds no rows; nothing to generate from it", cfg.name, cfg.path)
+
+
+def _bad_row(cfg: DatasetConfig, index: int, raw: Any, e: RowError) -> dict[str, Any]:
+    if isinstance(raw, RowError):  # keep the offending line, not the error
+        raw = raw.raw
+    digest = hashlib.sha256(json.dumps(raw, default=str, sort_keys=True).encode()).hexdigest()[:12]
+    return {
+        "sample_id": f"{cfg.name}:{index}:{digest}", "dataset": cfg.name, "row_index": index,
+        "stage": "read", "reason": f"malformed row: {e}",
+        "raw": json.dumps(raw, default=str, ensure_ascii=False)[:4000],
+    }
+
+
+def iter_dataset(cfg: DatasetConfig, warn: bool = True) -> Iterator[tuple[bool, dict[str, Any]]]:
+    """``(True, prompt row)`` or ``(False, quarantine row)`` per input row, in file order, streamed (no row is
+    held after it is yielded); reading stops at ``max_rows``. The ids are a function of the dataset's name,
+    the row's index and its content only, so any process reading the file assigns the same ones.
+
+    ``warn``: log ``warn_empty`` for a file without rows (a caller that reports elsewhere passes False).
+    """
+    n = 0
+    for index, raw in read_raw_rows(cfg.path):
+        if cfg.max_rows is not None and index >= cfg.max_rows:
+            break
+        n += 1
+        try:
+            if isinstance(raw, RowError):
+                raise raw
+            p = parse_row(raw, cfg.format, cfg.columns)
+        except RowError as e:
+            yield False, _bad_row(cfg, index, raw, e)
+            continue
+        yield True, {
+            "sample_id": sample_id(cfg.name, index, p), "dataset": cfg.name, "row_index": index,
+            "messages": json.dumps(p.messages, ensure_ascii=False),
+            "tools": json.dumps(p.tools, ensure_ascii=False) if p.tools else "",
+            "thinking": cfg.thinking,
+        }
+    if not n and warn:  # max_rows > 0, so only a file without rows gets here
+        warn_empty(cfg)
+
+
+def load_dataset(cfg: DatasetConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(prompt rows, quarantine rows) for one configured dataset: ``iter_dataset`` collected."""
+    prompts: list[dict[str, Any]] = []
+    bad: list[dict[str, Any]] = []
+    for ok, row in iter_dataset(cfg):
+        (prompts if ok else bad).append(row)
+    return prompts, bad
+
+
+def _parquet_footer_rows(path: Path) -> int:
+    """The row count a Parquet file's footer records; its errors are the reader's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _check_file(path)
+    try:
+        with pq.ParquetFile(path) as f:
+            return f.metadata.num_rows
+    except PermissionError as e:
+        raise _unreadable(path, e) from None
+    except (pa.ArrowException, OSError) as e:
+        raise _not_parquet(path, e) from None
+
+
+def check_dataset(cfg: DatasetConfig) -> None:
+    """Raise the DatasetError reading the file would raise, cheaply and holding no row: a folder or a missing
+    file, a JSONL file that cannot be opened, a Parquet footer that does not read, a .json file that is not
+    one valid JSON list. A driver calls it before Ray starts; the readers in the workers raise the same
+    errors, so they only meet what changed since (or a Parquet file corrupt past its footer)."""
+    path = Path(cfg.path)
+    if path.suffix == ".parquet":
+        _parquet_footer_rows(path)
+    elif path.suffix == ".json":
+        _json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8), keep=False)
+    else:
+        _check_file(path)
+        try:
+            path.open("rb").close()
+        except OSError as e:
+            raise _unreadable(path, e) from None
+
+
+def count_rows(cfg: DatasetConfig) -> int:
+    """How many rows ``iter_dataset`` yields (prompt and malformed rows alike), parsing none where the file
+    says (a Parquet footer) and holding none; logs ``warn_empty`` as ``load_dataset`` does."""
+    path = Path(cfg.path)
+    cap = cfg.max_rows if cfg.max_rows is not None else float("inf")
+    if path.suffix == ".parquet":
+        n = _parquet_footer_rows(path)
+    elif path.suffix == ".json":
+        n = len(_json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8), keep=False))
+    else:
+        n = 0
+        for line in _split_lines(_file_chunks(path)):
+            if n >= cap:
+                break
+            try:
+                n += bool(line.decode("utf-8").strip())
+            except UnicodeDecodeError:
+                n += 1  # a line that is not UTF-8 is a (malformed) row
+    n = int(min(n, cap))
+    if not n:
+        warn_empty(cfg)
+    return n

@@ -1,0 +1,278 @@
+"""Prompts read by Ray Data in the workers; the driver only counts (#26).
+
+Every reader of a dataset file goes through ``datasets.iter_dataset``, whose ids depend on the dataset's
+name, the row's index and its content only, so a worker assigns the ids the driver used to. Two passes, both
+in Ray workers:
+
+- the index pass (``index_prompts``, one task per dataset, before generation) quarantines the malformed rows
+  and the prompts an API source wore out, and counts each file's rows and the prompts left to do;
+- each generation pass (``PromptSet.dataset`` -> ``prompt_dataset``) streams the files again and yields the
+  rows left to do (or, for a re-route pass, only the named ones) as blocks of ``block_rows`` rows.
+
+The driver holds the finished ids (``read_finished_ids``, one columnar read per shard), puts them in the
+object store once, and keeps counts; no prompt row is ever on it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.base.layout import RunLayout, atomic_write_table
+from pipeline.base.records import QUARANTINE_SCHEMA, quarantine_row, read_rows
+from pipeline.prompts.datasets import check_dataset, iter_dataset, warn_empty
+
+if TYPE_CHECKING:
+    import ray.data
+
+    from pipeline.base.config import DatasetConfig, RunConfig
+
+# The columns and types ``ray.data.from_items`` gave the prompt dicts (the stages read them by name).
+PROMPT_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("dataset", pa.string()),
+    ("row_index", pa.int64()),
+    ("messages", pa.string()),
+    ("tools", pa.string()),
+    ("thinking", pa.bool_()),
+])
+TO_DO = "to_do"  # the index pass's count of prompts left to do (summed; not one of the run's counts)
+# An index task asks no CPU: it runs before check_placement's timed wait, and a head without CPUs (or a
+# cluster whose workers have not joined yet) must not leave it pending without a word; the number of
+# datasets bounds how many run at once.
+INDEX_CPUS = 0
+QUARANTINE_CHUNK = 10_000  # malformed or worn-out rows an index task holds before writing them as one shard
+
+
+# ------------------------------------------------------------------ the driver: finished ids, file checks
+
+
+def read_finished_ids(layout: RunLayout) -> set[str]:
+    """Sample ids in samples/ and quarantine/: the ``sample_id`` column of each shard, read alone.
+
+    A shard that does not read (not Parquet, no ``sample_id``) fails as ``records.read_rows`` fails on it:
+    the same ``UnreadableFile`` naming the file, which read_rows itself raises."""
+    out: set[str] = set()
+    for folder in (layout.samples, layout.quarantine):
+        for f in sorted(Path(folder).glob("*.parquet")):
+            try:
+                column = pq.read_table(f, columns=["sample_id"]).column("sample_id")
+            except (pa.ArrowException, OSError, KeyError):
+                read_rows(folder, ["sample_id"])  # raises UnreadableFile for the first shard that fails
+                raise
+            out.update(column.to_pylist())
+    return out
+
+
+def check_prompt_files(cfg: RunConfig) -> None:
+    """Each dataset file reads (``datasets.check_dataset``): its DatasetError now, before Ray starts."""
+    for d in cfg.datasets:
+        check_dataset(d)
+
+
+# ------------------------------------------------------------------ the index pass
+
+
+def _write_quarantine(rows: list[dict[str, Any]], folder: Path) -> None:
+    """Rows that never reach generation, as one content-addressed shard (what read_prompts wrote)."""
+    from pipeline.base.layout import shard_name
+
+    if not rows:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    # quarantine_row keeps the offending line (``raw``) in the detail column
+    q = [quarantine_row({k: v for k, v in b.items() if k not in ("stage", "reason")}, b["stage"], b["reason"])
+         for b in rows]
+    atomic_write_table(pa.Table.from_pylist(q, schema=QUARANTINE_SCHEMA), folder / shard_name([b["sample_id"]
+                                                                                              for b in rows]))
+
+
+def index_dataset(d: DatasetConfig, quarantine: str, skip: set[str], worn: dict[str, dict[str, str]]) -> Counter:
+    """One dataset's index (an index task's body): its malformed rows and worn-out prompts not in ``skip``
+    written to ``quarantine``; returns ``{name}.rows`` (every row, good or bad) and ``TO_DO``."""
+    counts: Counter = Counter({f"{d.name}.rows": 0, TO_DO: 0})
+    bad: list[dict[str, Any]] = []
+    for ok, row in iter_dataset(d, warn=False):  # the driver warns (its console shows the pipeline's warnings)
+        counts[f"{d.name}.rows"] += 1
+        sid = row["sample_id"]
+        if sid in skip:
+            continue
+        if not ok:
+            bad.append(row)
+        elif sid in worn:
+            bad.append(dict(row, **worn[sid]))
+        else:
+            counts[TO_DO] += 1
+        if len(bad) >= QUARANTINE_CHUNK:
+            _write_quarantine(bad, Path(quarantine))
+            bad = []
+    _write_quarantine(bad, Path(quarantine))
+    return counts
+
+
+def _reraise(e: Exception) -> NoReturn:
+    """A task's own exception (a DatasetError, a file not found) as itself, not wrapped in a RayTaskError:
+    the CLI maps its class to the exit code and prints its message."""
+    import ray.exceptions
+
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, Exception):
+        raise e.cause from None
+    raise e
+
+
+def index_prompts(cfg: RunConfig, layout: RunLayout, skip: set[str] | Any,
+                  worn: dict[str, dict[str, str]] | Any) -> Counter:
+    """Run the index pass, one Ray task per dataset; the summed counts (``{name}.rows``, ``TO_DO``).
+
+    ``skip`` and ``worn`` (or object refs of them) go to the object store once, not into every task's
+    arguments. An empty file is warned about here, on the driver."""
+    import ray
+
+    skip_ref = skip if isinstance(skip, ray.ObjectRef) else ray.put(skip)
+    worn_ref = worn if isinstance(worn, ray.ObjectRef) else ray.put(worn)
+    task = ray.remote(num_cpus=INDEX_CPUS)(index_dataset)
+    refs = [task.remote(d, str(layout.quarantine), skip_ref, worn_ref) for d in cfg.datasets]
+    counts: Counter = Counter()
+    try:
+        for c in ray.get(refs):
+            counts.update(c)
+    except ray.exceptions.RayTaskError as e:
+        for ref in refs:
+            ray.cancel(ref)
+        _reraise(e)
+    for d in cfg.datasets:
+        if not counts[f"{d.name}.rows"]:
+            warn_empty(d)
+    return counts
+
+
+# ------------------------------------------------------------------ the generation passes' read
+
+
+def _dataset_of(sample_id: str) -> str:
+    return sample_id.rsplit(":", 2)[0]
+
+
+def todo_rows(d: DatasetConfig, skip: set[str], only: set[str] | None = None) -> Iterator[dict[str, Any]]:
+    """One dataset's prompt rows not in ``skip`` (and in ``only``, when given), in file order; with ``only``
+    the file is read until its last wanted row."""
+    wanted = None if only is None else {s for s in only if _dataset_of(s) == d.name}
+    if wanted is not None and not wanted:
+        return
+    for ok, row in iter_dataset(d, warn=False):
+        sid = row["sample_id"]
+        if not ok or sid in skip:
+            continue
+        if wanted is None:
+            yield row
+        elif sid in wanted:
+            yield row
+            wanted.discard(sid)
+            if not wanted:
+                return
+
+
+def row_blocks(rows: Iterable[dict[str, Any]], block_rows: int) -> Iterator[pa.Table]:
+    """Tables of ``block_rows`` rows (the last one shorter) in ``PROMPT_SCHEMA``."""
+    buf: list[dict[str, Any]] = []
+    for row in rows:
+        buf.append(row)
+        if len(buf) == block_rows:
+            yield pa.Table.from_pylist(buf, schema=PROMPT_SCHEMA)
+            buf = []
+    if buf:
+        yield pa.Table.from_pylist(buf, schema=PROMPT_SCHEMA)
+
+
+def _resolve(value: Any) -> Any:
+    import ray
+
+    return ray.get(value) if isinstance(value, ray.ObjectRef) else value
+
+
+def _read_blocks(batch: pa.Table, datasets: list[DatasetConfig], skip: Any, only: Any,
+                 block_rows: int) -> Iterator[pa.Table]:
+    """The read stage's UDF: each input row names one dataset, read here, in the worker."""
+    skip, only = _resolve(skip), _resolve(only)
+    for i in batch.column("index").to_pylist():
+        yield from row_blocks(todo_rows(datasets[i], skip, only), block_rows)
+
+
+def prompt_dataset(cfg: RunConfig, skip_ref: Any, only: set[str] | Any | None, block_rows: int) -> ray.data.Dataset:
+    """The rows left to do as a Ray Data dataset, read in the workers: blocks of at most ``block_rows`` rows
+    in ``PROMPT_SCHEMA``, each file's rows in file order.
+
+    One input row per dataset and a generator ``map_batches`` UDF (``batch_size=1``) that streams that file
+    (``todo_rows``), rather than a custom Datasource: a read task cannot know where a file's to-do rows
+    start without reading it, so a file is one task either way, and a UDF is the smaller thing to own.
+    Ray Data merges the tables a task yields into blocks of ``target_max_block_size`` (128 MiB); the
+    streaming repartition after it, fused into the same task, cuts them back to ``block_rows`` rows, so the
+    stages after it see the small blocks ``from_items`` gave them. The read asks no CPU (as chain.py's
+    routing tasks): a read task stalled by backpressure must not hold a CPU an actor pool is waiting for.
+    ``skip_ref`` and ``only`` may be object refs (a pass reads them in each task, not in its arguments).
+    """
+    import ray
+    import ray.data
+
+    wanted = None if only is None else {_dataset_of(s) for s in _resolve(only)}
+    indices = [i for i, d in enumerate(cfg.datasets) if wanted is None or d.name in wanted]
+    items = ray.data.from_items([{"index": i} for i in indices], override_num_blocks=max(1, len(indices)))
+    ds = items.map_batches(_read_blocks, batch_size=1, batch_format="pyarrow", num_cpus=0,
+                           fn_kwargs={"datasets": list(cfg.datasets), "skip": skip_ref, "only": only,
+                                      "block_rows": block_rows})
+    ds = ds.repartition(target_num_rows_per_block=block_rows)
+    # Fused into the read only with equal resource arguments; Dataset.repartition takes none, so its
+    # operator's are set here (an internal field: without it the repartition runs unfused, at one CPU a task).
+    args = getattr(ds._logical_plan.dag, "ray_remote_args", None)
+    if isinstance(args, dict):
+        args["num_cpus"] = 0
+    return ds
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """What the driver knows of the prompts left to do: their number and how to read them, never a row.
+
+    ``len()`` is the to-do total (the header, placement, the router and the tally's total use it);
+    ``dataset(block_rows)`` is one generation pass's input; ``restrict(ids)`` the prompts a re-route pass
+    feeds again. ``skip`` is an object ref of the ids never to read (finished or worn out)."""
+
+    cfg: RunConfig
+    skip: Any
+    total: int
+    only: Any = None
+
+    def __len__(self) -> int:
+        return self.total
+
+    def dataset(self, block_rows: int) -> ray.data.Dataset:
+        return prompt_dataset(self.cfg, self.skip, self.only, block_rows)
+
+    def restrict(self, ids: Iterable[str]) -> PromptSet:
+        import ray
+
+        ids = set(ids)
+        return replace(self, total=len(ids), only=ray.put(ids))
+
+
+def pass_dataset(todo: list[dict[str, Any]] | PromptSet, block_rows: int) -> ray.data.Dataset:
+    """A generation pass's input: a PromptSet read in the workers, or (tests) a list of prompt dicts."""
+    import ray.data
+
+    if isinstance(todo, PromptSet):
+        return todo.dataset(block_rows)
+    return ray.data.from_items(todo, override_num_blocks=max(1, len(todo) // block_rows))
+
+
+def reroute_prompts(prompts: list[dict[str, Any]] | PromptSet, ids: Iterable[str]) -> list[dict[str, Any]] | PromptSet:
+    """The prompts among ``ids`` (a pass's re-routed sample ids), for the next pass."""
+    if isinstance(prompts, PromptSet):
+        return prompts.restrict(ids)
+    keep = set(ids)
+    return [p for p in prompts if p["sample_id"] in keep]

@@ -1,0 +1,274 @@
+"""The run report: figures folded from the rows as they stream out, then summed over the folder.
+
+``Tally`` counts this attempt's rows as they leave the chain (the console's
+generation line reads its ``snapshot``); ``summarize`` adds what the output folder holds over every
+attempt; ``format_report`` is what the console shows at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline.base.config import ChecksConfig, DatasetConfig
+from pipeline.base.console import GenerateSnapshot
+from pipeline.base.flight import output_len
+from pipeline.base.layout import RunLayout
+from pipeline.base.records import read_rows, read_samples
+from pipeline.checks.audit import AuditAccumulator, summary_lines
+from pipeline.checks.validate import Verdict
+from pipeline.report.costs import cost_lines, cost_table
+from pipeline.report.throughput import record as record_throughput
+
+
+class Timings:
+    """Seconds per phase, in the order they ran."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, t0: float) -> None:
+        self.seconds[name] = round(time.perf_counter() - t0, 2)
+
+
+def audit_for(datasets: list[DatasetConfig]) -> AuditAccumulator:
+    """An audit that judges each dataset's samples by that dataset's own checks."""
+    first = datasets[0].checks
+    same = all(d.checks == first for d in datasets)
+    return AuditAccumulator(first if same else ChecksConfig(), dataset_checks={d.name: d.checks for d in datasets})
+
+
+class Tally:
+    """Folds per-sample summaries as they stream out of the pipeline: counts, audit figures, spend.
+
+    ``progress`` keeps ``snapshot``, the figures the console's generation line shows (pipeline.base.console; read
+    from its ticker thread, so it is replaced whole, never changed in place).
+    """
+
+    def __init__(self, total: int, audit: AuditAccumulator) -> None:
+        self.total = total
+        self.status: Counter = Counter()
+        self.audit = audit
+        self.tokens = 0
+        self.cost = 0.0
+        self.t0 = time.perf_counter()
+        self.snapshot = GenerateSnapshot(0, total, 0, 0, 0, 0, 0.0, 0.0)
+        self.start_errors: dict[str, str] = {}  # source -> why its engine did not start
+        self.served: Counter = Counter()  # source -> samples it generated (this attempt)
+        self.spilled: Counter = Counter()  # local source -> its prompts an overflow source took past the deadline
+        self.left: Counter = Counter()  # (source, why) -> prompts left not generated (a re-run does them)
+        self.requests: Counter = Counter()  # source -> requests sent for the rows (HTTP sources; retries included)
+        self.asked: Counter = Counter()  # source -> rows it sent at least one request for
+        self.series: list[dict[str, Any]] = []  # throughput snapshots over time (pipeline.report.throughput)
+        self.duplicates = 0  # rows the writer found already written (a re-executed batch): not counted again
+
+    @property
+    def done(self) -> int:
+        return sum(self.status.values())
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.status[row["status"]] += 1
+        generated = output_len(row)
+        if generated is not None:
+            self.served[row.get("source") or ""] += 1
+        if row.get("spilled_from"):
+            self.spilled[row["spilled_from"]] += 1
+        if row.get("attempts"):
+            self.requests[row.get("source") or ""] += row["attempts"]
+            self.asked[row.get("source") or ""] += 1
+        if row["status"] == "not_generated":
+            self.left[(row.get("source") or "", row.get("failure_class") or "transient")] += 1
+        self.tokens += generated or 0
+        self.cost += row.get("cost") or 0.0
+        if row.get("checks_ran"):
+            details = json.loads(row["check_details"] or "{}")
+            verdict = Verdict(failed={k: details.get(k, "") for k in row["checks_failed"]},
+                              flagged={k: details.get(k, "") for k in row["checks_flagged"]},
+                              ran=list(row["checks_ran"]))
+            self.audit.add(row, verdict)
+
+    def note_start_error(self, row: dict[str, Any]) -> None:
+        """Remember a source whose engine failed to start, from any row it handed on or quarantined."""
+        if row.get("start_error_source"):
+            self.start_errors.setdefault(row["start_error_source"], row.get("start_error") or "")
+
+    def progress(self, final: bool = False) -> None:
+        now = time.perf_counter()
+        record_throughput(self.series, now - self.t0, self.done, self.tokens, self.served, final=final)
+        self.snapshot = GenerateSnapshot(self.done, self.total, self.status["ok"], self.status["quarantine"],
+                                         self.status["not_generated"], self.tokens, self.cost, now - self.t0)
+
+
+def summarize(tally: Tally, counts: Counter, layout: RunLayout,
+              prices: Mapping[str, float | None] | None = None) -> dict[str, Any]:
+    """Figures over everything written for this run (including earlier, resumed attempts). ``prices``: dollars
+    per device-hour of each engine source (``pipeline.report.costs.engine_prices``) for the spend per dataset."""
+    samples, dropped = read_samples(layout.samples, ["sample_id", "dataset", "output_ids", "checks_flagged",
+                                                     "source", "cost", "engine_s"])
+    quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage", "reason"])
+    passed_ids = {r["sample_id"] for r in samples}
+    q_ids = {r["sample_id"] for r in quarantine if r["sample_id"] not in passed_ids}
+    rows_in = sum(v for k, v in counts.items() if k.endswith(".rows"))
+    datasets = sorted(k.rsplit(".", 1)[0] for k in counts if k.endswith(".rows"))
+    # Extraction may quarantine a sample already written as passed: it stays counted as passed
+    # generation and shows up under quarantine_by_stage.extract.
+    return {
+        "rows_in": rows_in,
+        "passed": len(passed_ids),
+        "quarantined": len(q_ids),
+        "not_generated": tally.status["not_generated"],
+        "quarantine_by_stage": dict(Counter(r["stage"] for r in quarantine)),
+        "quarantine_reasons": dict(Counter(_reason_key(r["reason"]) for r in quarantine).most_common(10)),
+        "flagged": dict(Counter(c for r in samples for c in r["checks_flagged"])),
+        "tokens_generated": sum(len(r["output_ids"]) for r in samples),
+        "duplicates_in_shards": dropped,  # extra copies in samples/, each counted (and trained on) once
+        "this_attempt": {"samples": tally.done, "resumed_done": counts["resumed_done"],
+                         "duplicates_skipped": tally.duplicates,
+                         "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6)},
+        "audit": tally.audit.report(),
+        "costs": cost_table(samples, prices or {}),  # every sample written, resumed attempts included
+        "by_dataset": {
+            d: {"rows": counts[f"{d}.rows"], "passed": sum(r["dataset"] == d for r in samples),
+                "quarantined": sum(r["dataset"] == d and r["sample_id"] in q_ids for r in quarantine)}
+            for d in datasets
+        },
+    }
+
+
+def source_report(sources: list[Any], tally: Tally) -> dict[str, dict[str, Any]]:
+    """Per configured source, this attempt: samples it generated, prompts it spilled past the overflow
+    deadline, prompts it left to do (by why), and, when its engine failed to start, why."""
+    out = {s.name: {"kind": s.kind, "served": tally.served[s.name], "spilled": tally.spilled[s.name],
+                    "left_to_do": {why: n for (name, why), n in sorted(tally.left.items()) if name == s.name},
+                    "start_error": tally.start_errors.get(s.name)} for s in sources}
+    for name, n in tally.requests.items():
+        if name in out:  # requests per row, as the rows report them (the ledger counts sent/settled/released)
+            out[name] |= {"requests": n, "retried": n - tally.asked[name]}
+    return out
+
+
+def ledger_report(ledger: Any) -> dict[str, Any]:
+    import ray
+
+    rep = ledger.report.remote() if hasattr(ledger.report, "remote") else ledger.report()
+    return ray.get(rep) if isinstance(rep, ray.ObjectRef) else rep
+
+
+def _reason_key(reason: str) -> str:
+    """The reason's leading words (check name or error kind), for grouping."""
+    return reason.split(":", 1)[0][:80]
+
+
+def heldout_groups(h: Any, field: str) -> list[dict[str, Any]]:
+    """The well-formed items of the held-out figure's ``by_<field>`` breakdown (report.json may be old or
+    edited by hand: anything else is left out, never raised on)."""
+    items = h.get(f"by_{field}") if isinstance(h, dict) else None
+    return [g for g in items if isinstance(g, dict) and isinstance(g.get("acceptance_length"), int | float)
+            and isinstance(g.get("drafts"), int)] if isinstance(items, list) else []
+
+
+def heldout_group_text(g: dict[str, Any]) -> str:
+    """``shop 2.81 ± 0.05 (120 drafts)``; a group with few drafts says so."""
+    se = f" ± {g['se']:.2f}" if isinstance(g.get("se"), int | float) else ""
+    few = ", few" if g.get("few") else ""
+    return f"{g.get('name')} {g['acceptance_length']:.2f}{se} ({g['drafts']} draft{'s' * (g['drafts'] != 1)}{few})"
+
+
+def heldout_breakdown_lines(h: Any) -> list[str]:
+    """The held-out acceptance per dataset and per source, a line each where there are two groups or more."""
+    lines = []
+    for field in ("dataset", "source"):
+        groups = heldout_groups(h, field)
+        if len(groups) >= 2:
+            lines.append(f"  held-out by {field}: " + " · ".join(heldout_group_text(g) for g in groups))
+    return lines
+
+
+def format_report(r: dict[str, Any], out: Path) -> str:
+    lines = [
+        "",
+        "=" * 64,
+        f"Run report ({out})",
+        f"  rows in      {r['rows_in']}",
+        f"  passed       {r['passed']}",
+        f"  quarantined  {r['quarantined']}  by stage {r['quarantine_by_stage']}",
+        f"  not generated {r['not_generated']} (left to do: budget spent, source halted or API down; "
+        "a re-run does them)",
+        f"  flagged      {r['flagged']}",
+        f"  tokens generated {r['tokens_generated']}, spend ${r['this_attempt']['cost_usd']:.4f}",
+        *cost_lines(r.get("costs")),
+        f"  throughput   { {k: v for k, v in r['throughput'].items() if k != 'series'} }",
+        f"  seconds      {r['seconds']}",
+    ]
+    if r["audit"]["samples"]:
+        lines.append("  audit (this attempt):")
+        lines += [f"    {line}" for line in summary_lines(r["audit"])]
+    for name, src in (r.get("sources") or {}).items():
+        spilled = f", {src['spilled']} spilled past the overflow deadline" if src.get("spilled") else ""
+        lines.append(f"  source {name} ({src['kind']}) generated {src.get('served', 0)}{spilled}")
+        if src.get("start_error"):
+            lines.append(f"  source {name} failed to start (its prompts re-routed or quarantined): "
+                         f"{src['start_error'][:200]}")
+    for name, spend in (r.get("spend") or {}).items():
+        lines.append(f"  spend {name}: {json.dumps(spend.get('datasets', spend), default=str)[:300]}")
+        held = spend.get("held_by_killed_requests") or {}
+        if held:
+            lines.append(f"  spend {name}: {sum(held.values())} tokens of budget held by requests in flight when an "
+                         f"earlier attempt was killed (they may have been billed) {held}")
+    t = r.get("training") or {}
+    x = t.get("extraction") or {}
+    if x:
+        lines.append(f"  extraction   {x['samples']} samples, {x['tokens']} tokens, {x['tokens_per_s_per_actor']} "
+                     f"tok/s/actor, {x['bytes_per_token']} bytes/token, peak RSS {x['peak_rss_mb']:.0f} MB")
+    m = t.get("metrics") or {}
+    if m:
+        accs = " ".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("acc_"))
+        lines.append(f"  training     step {m.get('step')} loss {m.get('loss', float('nan')):.3f} "
+                     f"acc/position [{accs}] {m.get('tokens_per_s', 0):.0f} tok/s")
+    if t.get("export_dir"):
+        lines.append(f"  drafter      {t['export_dir']}")
+    h = t.get("heldout") or {}
+    if h.get("acceptance_length") is not None:
+        per = " ".join(f"{p:.2f}" for p in h["per_position"])
+        lines.append(f"  held-out     acceptance length {h['acceptance_length']:.3f} at k={h['k']} (per position "
+                     f"[{per}]) on {h['samples']} samples never trained on (simulated greedy verification)")
+        lines += heldout_breakdown_lines(h)
+    elif h:
+        lines.append(f"  held-out     {h.get('skipped')}")
+    s = t.get("served") or {}
+    if s.get("acceptance_length") is not None:
+        per = " ".join(f"{p:.2f}" for p in s["per_position"])
+        agree = s.get("agreement")
+        verdict = "" if agree is None else ("; agrees with the simulated figure per position" if agree["within"]
+                                            else "; DIFFERS from the simulated figure beyond sampling noise")
+        lines.append(f"  served       acceptance length {s['acceptance_length']:.3f} at k={s['k']} (per position "
+                     f"[{per}]) in vLLM on the same {s['prompts']} prompts, {s['drafts']} drafts{verdict}")
+    elif s:
+        lines.append(f"  served       {s.get('skipped') or s.get('error')}")
+    lines += attention_lines(r)
+    lines.append("=" * 64)
+    return "\n".join(lines)
+
+
+def attention_lines(r: dict[str, Any]) -> list[str]:
+    """What needs the user's action, one line each: a halted source, an API that was down, a spent budget."""
+    out = []
+    for name, src in (r.get("sources") or {}).items():
+        left = src.get("left_to_do") or {}
+        halted = ((r.get("spend") or {}).get(name) or {}).get("halted")
+        if halted or left.get("account") or left.get("config"):
+            fix = "the source's config" if left.get("config") or (halted or "").startswith("config error") \
+                else "the account"
+            out.append(f"  ! source {name}: stopped: {halted or 'account error'} — {sum(left.values())} prompts "
+                       f"left to do; fix {fix} and re-run to resume")
+        elif left.get("transient"):
+            out.append(f"  ! source {name}: API failing (network, timeouts or 5xx) — {left['transient']} prompts "
+                       "left to do; re-run to resume")
+        if left.get("budget"):
+            out.append(f"  ! source {name}: budget spent or held — {left['budget']} prompts not generated; raise "
+                       "the budget (or wait for in-flight requests) and re-run to do them")
+    return out

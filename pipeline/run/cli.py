@@ -1,0 +1,188 @@
+"""Command line: run a job, see where it stands, audit shards, serve a local OpenRouter stand-in, build the
+tiny target."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.base.config import RunConfig
+
+
+def _load(args: argparse.Namespace, check_paths: bool = True) -> RunConfig | None:
+    """The config named on the command line (``--output-dir`` applied), or None after printing why not."""
+    from pipeline.base.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, check_paths=check_paths)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return None
+    if getattr(args, "output_dir", None):
+        cfg.output_dir = args.output_dir
+    return cfg
+
+
+# Exit codes of `run` (README: "Exit codes"): done; rows left to do (a re-run resumes them); refused to start
+# (config, input, a folder written with other settings, a folder another run holds) or stopped because another run
+# took the folder's lock over; an unexpected failure is 1.
+EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_LEFT_TO_DO = 0, 1, 2, 3
+
+
+def _refusals() -> dict[type[Exception], str]:
+    """What `run` refuses to start on, and the word its message starts with (exit EXIT_REFUSED)."""
+    from pipeline.base.config import ConfigError
+    from pipeline.base.run_lock import LockHeld
+    from pipeline.prompts.datasets import DatasetError
+    from pipeline.run.manifest import ManifestMismatch
+
+    return {ManifestMismatch: "refusing to resume", LockHeld: "refusing to start", ConfigError: "config error",
+            DatasetError: "input error"}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipeline.base.console import Console
+    from pipeline.run.job import run
+
+    cfg = _load(args)
+    if cfg is None:
+        return EXIT_REFUSED
+    from pipeline.base.run_lock import LockLost
+    from pipeline.run.placement import NoPlacement
+
+    refusals = _refusals()
+    resume = f"python -m pipeline run {args.config}" + (f" --output-dir {args.output_dir}"
+                                                         if getattr(args, "output_dir", None) else "")
+    try:
+        # the run's own lines on the console; vLLM, Ray, transformers, torch and the rest in OUTPUT/logs/
+        report = run(cfg, Console.for_cli(verbose=args.verbose, title=args.config))
+    except LockLost as e:  # another run took the folder over: it owns what is left; the message names it
+        print(f"stopped: {e} (exit {EXIT_REFUSED})", file=sys.stderr)
+        return EXIT_REFUSED
+    except NoPlacement as e:  # nothing was started: every prompt is still to do
+        print(f"! {e}", flush=True)
+        left = getattr(e, "left", 0)
+        what = f"{left} prompts" if left else "extraction and training"
+        print(f"{what} left to do (exit {EXIT_LEFT_TO_DO}); resume with: {resume}", flush=True)
+        return EXIT_LEFT_TO_DO
+    except tuple(refusals) as e:
+        word = next(w for cls, w in refusals.items() if isinstance(e, cls))
+        print(f"{word}: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    left = report["not_generated"]
+    if left:
+        print(f"{left} prompts left to do (exit {EXIT_LEFT_TO_DO}); resume with: {resume}", flush=True)
+        return EXIT_LEFT_TO_DO
+    print(f"done: every prompt passed or quarantined (exit {EXIT_DONE})", flush=True)
+    return EXIT_DONE
+
+
+def _check(args: argparse.Namespace) -> int:
+    cfg = _load(args, check_paths=not args.no_paths)
+    if cfg is None:
+        return 2
+    if not args.no_paths:  # what a resume reads first, read now: an unreadable file is one line, not a traceback
+        from pipeline.base.config import ConfigError
+        from pipeline.base.layout import RunLayout
+        from pipeline.base.records import read_rows
+        from pipeline.generate.ledger import read_journal
+        from pipeline.generate.sources.registry import spending_sources
+        from pipeline.run.manifest import read_manifest
+
+        layout = RunLayout(cfg.output_dir)
+        try:
+            if layout.manifest.is_file():
+                read_manifest(layout.manifest)
+            for src in spending_sources(cfg.sources):
+                read_journal(str(layout.ledger(src.name)))
+            for folder in (layout.samples, layout.quarantine):
+                read_rows(folder, ["sample_id"])
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+    print(f"{args.config}: ok — {len(cfg.datasets)} datasets, sources "
+          f"{[f'{s.kind}:{s.name}' for s in cfg.sources]}, output {cfg.output_dir}")
+    from pipeline.base.console import describe_training
+
+    print(f"training: {describe_training(cfg.training, 'training' in cfg.model_fields_set)}")
+    from pipeline.base.sizing import sizing_note
+
+    print(sizing_note(cfg.model, cfg.extraction))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.run.status import collect_status, format_status
+
+    cfg = _load(args, check_paths=False)  # the model may live elsewhere: the folder is what is read
+    if cfg is None:
+        return 2
+    from pipeline.base.config import ConfigError
+    from pipeline.prompts.datasets import DatasetError
+
+    try:
+        status = collect_status(cfg)
+    except (FileNotFoundError, DatasetError, ConfigError) as e:
+        print(f"status: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
+    return 0
+
+
+def _build_tiny(args: argparse.Namespace) -> int:
+    from pipeline.demo.tiny_model import build_tiny_target, weights_digest
+
+    out = build_tiny_target(args.out, variant=args.variant, force=args.force)
+    print(f"tiny target ({args.variant}) at {out} (weights sha256 {weights_digest(out)})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands owned by their modules take their own flags.
+    if argv and argv[0] == "audit":
+        from pipeline.checks.audit import main as audit_main
+
+        return audit_main(argv[1:])
+    if argv and argv[0] == "serve-openrouter":
+        from pipeline.demo.openrouter_server import main as serve_main
+
+        return serve_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run the pipeline from a YAML config")
+    p.add_argument("config")
+    p.add_argument("--output-dir", help="override output_dir from the config")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print every log (vLLM, Ray, transformers, torch, the pipeline's own) on the console; "
+                        "they always go to OUTPUT/logs/")
+    p.set_defaults(fn=_run)
+    p = sub.add_parser("check", help="validate a config without running anything")
+    p.add_argument("config")
+    p.add_argument("--no-paths", action="store_true", help="skip checks that model and dataset files exist")
+    p.set_defaults(fn=_check)
+    p = sub.add_parser("status", help="where a run stands (prompts done / to do, spend, training), from its folder")
+    p.add_argument("config")
+    p.add_argument("--output-dir", help="override output_dir from the config")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.set_defaults(fn=_status)
+    from pipeline.demo.tiny_model import VARIANTS
+
+    p = sub.add_parser("build-tiny", help="build the tiny CPU target model folder")
+    p.add_argument("out")
+    p.add_argument("--variant", choices=VARIANTS, default="well-formed",
+                   help="well-formed: clean reasoning-model behaviour; wild: random format tokens; "
+                        "trained: trained on shop arithmetic (about a minute on 2 cores); "
+                        "reasoning: trained on multi-step word problems, 100-300 token traces (about 3 minutes)")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(fn=_build_tiny)
+    sub.add_parser("audit", help="audit sample shards (see `audit --help`)")
+    sub.add_parser("serve-openrouter", help="local OpenRouter-compatible server (see `serve-openrouter --help`)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.fn(args)

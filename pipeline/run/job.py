@@ -1,0 +1,474 @@
+"""The main job, one phase per call: read -> generate -> write -> extract -> train -> report.
+
+``run`` reads as that sentence. The prompts come from pipeline.prompts (read in the workers);
+the Ray Data stages the phases wire together live in pipeline.generate (stages, sources); the
+hand-off to training in pipeline.hidden.handoff; the report in pipeline.report; every path of the
+output folder in pipeline.base.layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from typing import Any
+
+from pipeline.base.config import RunConfig
+from pipeline.base.console import (
+    Console,
+    GenerateSnapshot,
+    describe_source,
+    describe_training,
+    duration,
+    generate_line,
+    header_lines,
+)
+from pipeline.base.layout import RunLayout, atomic_write_json
+from pipeline.base.records import read_rows
+from pipeline.base.run_lock import RunLock, current_lock, on_lock_lost
+from pipeline.checks.validate import assert_conservation
+from pipeline.generate.ledger import halt, read_spend
+from pipeline.generate.sources.registry import spending_sources
+from pipeline.generate.stages import RenderPrompts, ValidateSamples, WriteShards, pool_bounds
+from pipeline.hidden.handoff import extract_and_train
+from pipeline.prompts.read import (
+    TO_DO,
+    PromptSet,
+    check_prompt_files,
+    index_prompts,
+    pass_dataset,
+    read_finished_ids,
+    reroute_prompts,
+)
+from pipeline.report.costs import engine_prices
+from pipeline.report.publish import publish_report
+from pipeline.report.summary import Tally, Timings, audit_for, format_report, ledger_report, source_report, summarize
+from pipeline.run.manifest import check_or_write_manifest
+
+log = logging.getLogger("pipeline")
+
+
+def run(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
+    """Run the whole job and return its report (also written to OUTPUT/report.json).
+
+    One writer per output folder: a second driver on the same folder stops here (``LockHeld``) before
+    anything starts or is spent. ``console`` shows the header, each phase's progress and the report (default:
+    plain lines on stdout); one made by ``Console.for_cli`` also sends every log to ``OUTPUT/logs/``.
+    """
+    layout = RunLayout(cfg.output_dir)
+    prepare_output(layout)
+    console = console or Console()
+    with RunLock.for_folder(layout.root, **lock_timing()), run_logs(layout, console):
+        return _run(cfg, layout, console)
+
+
+def lock_timing() -> dict[str, float]:
+    """The run lock's heartbeat and staleness: 10 s and 60 s, or ``PIPELINE_LOCK_HEARTBEAT_S`` and
+    ``PIPELINE_LOCK_STALE_S`` (a filesystem slower to show writes needs a longer staleness; tests a shorter)."""
+    from pipeline.base.config import ConfigError
+
+    out = {"heartbeat_s": 10.0, "stale_after_s": 60.0}
+    for key, var in (("heartbeat_s", "PIPELINE_LOCK_HEARTBEAT_S"), ("stale_after_s", "PIPELINE_LOCK_STALE_S")):
+        if os.environ.get(var):
+            try:
+                out[key] = float(os.environ[var])
+            except ValueError:
+                raise ConfigError(f"{var}={os.environ[var]!r} is not a number of seconds") from None
+    if not 0 < out["heartbeat_s"] < out["stale_after_s"]:
+        raise ConfigError(f"the run lock needs 0 < PIPELINE_LOCK_HEARTBEAT_S < PIPELINE_LOCK_STALE_S, not {out}")
+    return out
+
+
+def run_logs(layout: RunLayout, console: Console) -> AbstractContextManager[Any]:
+    """Logs to ``OUTPUT/logs/`` (pipeline.base.logs) for a console that asks for it (the CLI's), after the lock: a
+    refused second driver must not write into the logs of the run that holds the folder."""
+    from pipeline.base.logs import capture
+
+    return capture(layout.logs, verbose=console.verbose, console=console) if console.capture else nullcontext()
+
+
+def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
+    from pipeline.generate.sources.chain import wait_for_retired_engines
+
+    timings = Timings()
+    t_all = time.perf_counter()
+    if cfg.model.build_tiny:
+        from pipeline.demo.tiny_model import build_tiny_target
+
+        build_tiny_target(cfg.model.path, variant=cfg.model.tiny_variant)
+    # before Ray starts: a folder written with other settings must fail in a second, not after start-up
+    check_or_write_manifest(cfg, layout.root, has_samples=has_finished_rows(layout))
+    check_api_keys(cfg)
+    check_budget_journals(cfg, layout)
+    check_prompt_files(cfg)  # a dataset file or a shard that cannot be read stops the run here, before Ray
+    done = finished_ids(layout)
+    t0 = time.perf_counter()
+    init_ray(cfg)
+    timings.add("ray_init", t0)
+    t0 = time.perf_counter()
+    prompts, counts = read_prompts(cfg, layout, done)  # the index pass: Ray tasks read the files
+    timings.add("read", t0)
+    console.line("\n".join(header_lines(
+        console.title or str(layout.root), [(d.name, counts[f"{d.name}.rows"]) for d in cfg.datasets],
+        [describe_source(s) for s in cfg.sources], layout.root, counts["resumed_done"], len(prompts),
+        layout.logs if console.capture else None, describe_training(cfg.training, "training" in cfg.model_fields_set))))
+    check_placement(cfg, len(prompts))
+    t0 = time.perf_counter()
+    ledgers, held = create_ledgers(cfg, layout)
+    unsubscribe = on_lock_lost(lambda reason: [halt(led, f"run lock lost: {reason}") for led in ledgers.values()])
+    try:
+        # Each source actor reads the response journals itself (pipeline.generate.sources.http.replay) before sending.
+        tally = generate(cfg, prompts, layout, ledgers, console=console)
+    finally:
+        unsubscribe()
+    timings.add("generate", t0)
+
+    report: dict[str, Any] = summarize(tally, counts, layout, engine_prices(cfg.sources))
+    assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
+    report["spend"] = {name: ledger_report(ledger) | {"held_by_killed_requests": held[name]}
+                       for name, ledger in ledgers.items()}
+    report["sources"] = source_report(cfg.sources, tally)
+    ensure_held()
+    check_placement(cfg, 0)  # the extraction's nodes (an autoscaler may add them only now)
+    report["training"] = extract_and_train(cfg, layout, timings, console)
+    timings.add("total", t_all)
+    report["seconds"] = timings.seconds
+    ensure_held()
+    gen_s = timings.seconds.get("generate") or 0.0
+    report["throughput"] = {
+        "samples_per_s": round(tally.done / gen_s, 2) if gen_s else None,
+        "tokens_per_s": round(tally.tokens / gen_s, 1) if gen_s else None,
+        "series": tally.series,  # snapshots over time (pipeline.report.throughput), drawn in report.html
+    }
+    atomic_write_json(layout.report, report)
+    wait_for_retired_engines()  # engines finish stopping before this driver (and a local Ray) exits
+    publish_report(cfg, layout, report)  # report.html + the trackers' run summary; never raises
+    console.line(format_report(report, layout.root))
+    return report
+
+
+def ensure_held() -> None:
+    """Raise ``LockLost`` (exit 2) if another run took this folder's lock over; a no-op outside ``run``."""
+    lock = current_lock()
+    if lock is not None:
+        lock.ensure_held()
+
+
+def init_ray(cfg: RunConfig) -> None:
+    """Join the cluster named by config or RAY_ADDRESS; otherwise start a private local Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    loopback = {"_node_ip_address": "127.0.0.1"}
+    if address:
+        # Inside `ray job submit` the job's runtime env (working dir, env vars) already applies.
+        local_head = address.split("://")[-1].startswith(("127.0.0.1", "localhost"))
+        ray.init(address=address, **(loopback if local_head else {}))
+    else:
+        env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
+        # The dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls every second
+        # (without it: a warning a second, and no clean-up of a dead controller's bundles). It binds the next
+        # free port when 8265 is taken.
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=True, runtime_env=env, **loopback)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    from pipeline.base.logs import after_ray_init
+
+    after_ray_init()  # a CLI run: Ray's loggers and the workers' output go to OUTPUT/logs/
+
+
+def check_placement(cfg: RunConfig, to_do: int) -> None:
+    """The sources' actor pools (with prompts ``to_do``), else the extraction's, fit some node (waiting
+    ``ray.placement_timeout_s`` for one to join), else stop now: ``NoPlacement`` (exit 3, the prompts or the
+    training left to do) instead of Ray Data's half-hour no-progress wait."""
+    from pipeline.run.placement import NoPlacement, extraction_demands, source_demands, wait_for_placement
+
+    demands = source_demands(cfg) if to_do else extraction_demands(cfg)
+    try:
+        wait_for_placement(demands, cfg.ray.placement_timeout_s)
+    except NoPlacement as e:
+        e.left = to_do  # type: ignore[attr-defined]
+        raise
+
+
+def prepare_output(layout: RunLayout) -> None:
+    """Create the output folder, or say in one line why it cannot be (before anything starts)."""
+    from pipeline.base.config import ConfigError
+
+    root = layout.root
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except FileExistsError:
+        raise ConfigError(f"output_dir {root}: is a file, not a folder") from None
+    except NotADirectoryError:
+        raise ConfigError(f"output_dir {root}: a part of the path is a file, not a folder") from None
+    except PermissionError:
+        raise ConfigError(f"output_dir {root}: not writable by this user") from None
+    except OSError as e:
+        raise ConfigError(f"output_dir {root}: cannot be written ({e.strerror})") from None
+
+
+def check_budget_journals(cfg: RunConfig, layout: RunLayout) -> None:
+    """Every spending source's budget journal reads (``UnreadableFile``: exit 2 naming it), before Ray starts."""
+    from pipeline.generate.ledger import read_journal_both
+
+    for src in spending_sources(cfg.sources):
+        read_journal_both(str(layout.ledger(src.name)))
+
+
+def check_api_keys(cfg: RunConfig) -> None:
+    """A private local Ray inherits this process's environment: a missing API key is a config error now.
+
+    On a cluster the key must be set where the source actors run, which the driver cannot see; there a
+    missing key halts that source and leaves its prompts to do."""
+    from pipeline.base.config import ConfigError
+
+    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        return
+    for src in spending_sources(cfg.sources):
+        env = src.key_env()  # None: this endpoint gets no key (see OpenRouterSourceConfig.key_env)
+        if env and src.api_key_required and not os.environ.get(env):
+            raise ConfigError(f"source {src.name!r}: environment variable {env} is not set "
+                              "(set it to the API key, or api_key_required: false for a local server)")
+
+
+def read_prompts(cfg: RunConfig, layout: RunLayout, done: set[str] | None = None) -> tuple[PromptSet, Counter]:
+    """The prompts not yet finished (not in ``done``, default ``finished_ids``), as a ``PromptSet``: their
+    number and how to read them, no row (Ray must be up). The index pass (pipeline.prompts.read, one Ray task
+    per dataset) counts each file's rows and quarantines its malformed rows, and the prompts an API source
+    gave up on after transient failures in ``transient_runs`` runs (they would only fail again)."""
+    import ray
+
+    done = finished_ids(layout) if done is None else done
+    worn = worn_out(cfg, layout)
+    counts = index_prompts(cfg, layout, done, worn)
+    to_do = counts.pop(TO_DO, 0)
+    counts["resumed_done"] = len(done)
+    return PromptSet(cfg, ray.put(done | worn.keys()), to_do), counts
+
+
+def worn_out(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, str]]:
+    """Prompts a spending source gave up on (transient failures, retries spent) in ``transient_runs`` runs."""
+    from pipeline.generate.sources.http.journal import gave_up_counts
+
+    out = {}
+    for src in spending_sources(cfg.sources):
+        for sample_id, (runs, error) in gave_up_counts(layout.responses, src.name).items():
+            if runs >= src.transient_runs:
+                out[sample_id] = {"stage": "generate", "source": src.name,
+                                  "reason": f"{src.name}: transient failures in {runs} runs (last: {error})"}
+    return out
+
+
+def has_finished_rows(layout: RunLayout) -> bool:
+    return any(any(folder.glob("*.parquet")) for folder in (layout.samples, layout.quarantine))
+
+
+def finished_ids(layout: RunLayout) -> set[str]:
+    """Sample ids already written as passed or quarantined (a resumed run skips them); a shard that does not
+    read raises ``UnreadableFile`` as ``records.read_rows`` does."""
+    return read_finished_ids(layout)
+
+
+def max_prompt_tokens(cfg: RunConfig) -> dict[str, int]:
+    """Per dataset whose ``max_length`` check quarantines: prompts this long are quarantined before generation."""
+    return {d.name: d.checks.max_total_tokens for d in cfg.datasets if d.checks.max_length == "quarantine"}
+
+
+def create_ledgers(cfg: RunConfig, layout: RunLayout) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:
+    """One budget ledger per spending source, restored from what earlier attempts already spent (see
+    ``restored_spend``); and per source, the budget still held by requests that were in flight when an earlier
+    attempt was killed."""
+    from pipeline.generate.ledger import ledger_for
+
+    ledgers, held = {}, {}
+    lock = current_lock()
+    identities = source_identities(cfg, layout)
+    for src in spending_sources(cfg.sources):
+        spent, spent_usd, held[src.name] = restored_spend(cfg, layout, src, identities)
+        ledgers[src.name] = ledger_for(src, spent=spent, spent_usd=spent_usd, journal=str(layout.ledger(src.name)),
+                                       lock=(str(lock.path), lock.token) if lock is not None else None)
+    return ledgers, held
+
+
+def restored_spend(cfg: RunConfig, layout: RunLayout, src: Any, identities: dict[str, list[str]] | None = None
+                   ) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
+    """(tokens spent, dollars spent, tokens held by requests in flight at a kill) per dataset of one source.
+
+    The largest of what written samples were billed, what the response journal says was billed, and what the
+    ledger's journal had committed (spent + in flight) when the last attempt stopped: a request in flight at a
+    kill may have been billed, so it stays spent. Spend follows the source's identity (model, endpoint, budget
+    scope): what it spent under an earlier name counts too (``identities``: ``source_identities``, read once).
+    """
+    from pipeline.generate.ledger import read_journal_both
+    from pipeline.generate.sources.http.journal import cost_by_dataset
+
+    identity = src.identity()
+    identities = source_identities(cfg, layout) if identities is None else identities
+    names = [n for n, ids in identities.items() if identity in ids]
+    billed, usd, committed, committed_usd = Counter(), Counter(), Counter(), Counter()
+    for name in names:
+        _max_into(billed, spent_by_dataset(layout, name))
+        _max_into(usd, cost_by_dataset(layout.responses, name))
+        tokens_c, usd_c = read_journal_both(str(layout.ledger(name)))
+        _max_into(committed, tokens_c)
+        _max_into(committed_usd, usd_c)
+    held = {d: c - billed.get(d, 0) for d, c in committed.items() if c > billed.get(d, 0)}
+    _max_into(billed, committed)
+    _max_into(usd, committed_usd)
+    return dict(billed), dict(usd), held
+
+
+def source_identities(cfg: RunConfig, layout: RunLayout) -> dict[str, list[str]]:
+    """name -> every identity a spending source of that name has had in this folder (``sources.json``), this
+    run's added: spend restores from every name that ever had the source's identity."""
+    path = layout.source_identities
+    known: dict[str, list[str]] = {}
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+            known = {str(k): [str(x) for x in (v if isinstance(v, list) else [v])] for k, v in data.items()}
+        except (OSError, ValueError):
+            from pipeline.base.config import ConfigError
+
+            raise ConfigError(f"{path} is not readable JSON: restore it, or move it aside (spend is then restored "
+                              "by source name only)") from None
+    merged = {k: list(v) for k, v in known.items()}
+    for src in spending_sources(cfg.sources):
+        ids = merged.setdefault(src.name, [])
+        if src.identity() not in ids:
+            ids.append(src.identity())
+    if merged != known:
+        atomic_write_json(path, merged)
+    return merged
+
+
+def _max_into(acc: Counter, values: dict[str, Any]) -> None:
+    for k, v in values.items():
+        acc[k] = max(acc.get(k, 0), v)
+
+
+def spent_by_dataset(layout: RunLayout, source: str) -> dict[str, int]:
+    """Billed completion tokens of one source: in written and quarantined samples, or in the response journal
+    (every billed attempt, written or not), whichever is larger."""
+    from pipeline.generate.sources.http.journal import billed_by_dataset
+
+    spent: Counter = Counter()
+    for r in read_rows(layout.samples, ["dataset", "source", "billed_completion_tokens"]):
+        if r["source"] == source and (r["billed_completion_tokens"] or 0) > 0:
+            spent[r["dataset"]] += r["billed_completion_tokens"]
+    for r in read_rows(layout.quarantine, ["dataset", "source", "detail"]):
+        if r["source"] == source:
+            billed = json.loads(r["detail"] or "{}").get("billed_completion_tokens") or 0
+            spent[r["dataset"]] += max(int(billed), 0)
+    for dataset, tokens in billed_by_dataset(layout.responses, source).items():
+        spent[dataset] = max(spent[dataset], tokens)
+    return dict(spent)
+
+
+def generate(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunLayout, ledgers: dict[str, Any],
+             replayed: dict[str, dict[str, str]] | None = None, console: Console | None = None) -> Tally:
+    """Stream prompts through render -> routed sources -> validate -> shard writer, tallying what comes out.
+
+    A prompt whose source fails it is handed to the next source the router names; when that source sits
+    earlier in the chain the prompt comes back as ``reroute`` and is fed to one more pass. ``replayed``: fixed
+    replay sets per source (tests); by default each source actor indexes the folder's response journals.
+    """
+    tally = Tally(len(prompts), audit_for(cfg.datasets))
+    if not prompts:
+        return tally
+    with (console or Console()).phase(generate_progress(tally, cfg, layout), announce=True):
+        _generate_passes(cfg, prompts, layout, ledgers, replayed, tally)
+    return tally
+
+
+def generate_progress(tally: Tally, cfg: RunConfig, layout: RunLayout) -> Callable[[bool], str]:
+    """The generation phase's console line: the tally's figures and, per API source, tokens against budgets."""
+    spenders = spending_sources(cfg.sources)
+
+    def render(final: bool) -> str:
+        snap: GenerateSnapshot = replace(tally.snapshot, elapsed_s=time.perf_counter() - tally.t0)
+        if not snap.done and not final:
+            waited = f" ({duration(snap.elapsed_s)})" if snap.elapsed_s >= 1 else ""
+            return f"[generate] 0/{snap.total} done, starting {', '.join(s.name for s in cfg.sources)}{waited}"
+        return generate_line(snap, read_spend(layout, spenders) if spenders else None, final=final)
+
+    return render
+
+
+def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunLayout, ledgers: dict[str, Any],
+                     replayed: dict[str, dict[str, str]] | None, tally: Tally) -> None:
+    import ray.data
+
+    from pipeline.generate.router import build_router
+    from pipeline.generate.sources.chain import map_routed, release_placement_groups, reroute_overrides
+
+    model = cfg.model
+    # The overflow deadline runs from here (engine start-up counts: it is wall clock the user waits).
+    router = build_router(cfg.sources, cfg.datasets, cfg.routing, len(prompts), started_at=time.time())
+    checks = {d.name: d.checks.model_dump() for d in cfg.datasets}
+    block_rows = min(s.batch_size for s in cfg.sources)
+    todo, overrides = prompts, {}
+    pools = stage_pools(cfg)
+    for _ in range(cfg.routing.max_hops + 2):
+        ds = pass_dataset(todo, block_rows)  # read in the workers (pipeline.prompts.read); a list in tests
+        ds = ds.map_batches(RenderPrompts, fn_constructor_args=(model.profile, model.path, max_prompt_tokens(cfg)),
+                            batch_format="pyarrow", **pools["render"])
+        ds = map_routed(ds, cfg.sources, model_dir=model.path, profile=model.profile,
+                        sampling=cfg.sampling, router=router, ledgers=ledgers, overrides=overrides,
+                        output_dir=str(layout.root), replays=replayed)
+        ds = ds.map_batches(ValidateSamples, fn_constructor_args=(model.profile, model.path, checks),
+                            batch_format="pyarrow", **pools["validate"])
+        lock = current_lock()  # the shard writer checks it still owns the folder before every shard
+        fence = {"lock_path": str(lock.path), "token": lock.token} if lock is not None else {}
+        ds = ds.map_batches(WriteShards, fn_constructor_args=(str(layout.root),), fn_constructor_kwargs=fence,
+                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+        rerouted = []
+        try:
+            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                ensure_held()  # a run whose lock was taken over stops here (exit 2), its sources already halted
+                for row in batch.to_pylist():  # the writer's tally rows (flight.TALLY_SCHEMA): small columns
+                    tally.note_start_error(row)
+                    if row["status"] == "reroute":
+                        rerouted.append(row)
+                    elif row["status"] == "duplicate":
+                        tally.duplicates += 1  # written once already (a re-executed batch): never counted twice
+                    else:
+                        tally.add(row)
+                tally.progress()
+        finally:
+            release_placement_groups()  # TP > 1 engine actors' GPU bundles outlive the actors
+        overrides = reroute_overrides(rerouted)
+        todo = reroute_prompts(prompts, overrides)
+        router = replace(router, spill_at=None)  # later passes carry only re-routes: none spills
+        if not todo:
+            break
+    if todo:
+        raise RuntimeError(f"{len(todo)} prompts still re-routed after {cfg.routing.max_hops + 2} passes")
+    tally.progress(final=True)
+
+
+def stage_pools(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Ray Data arguments of the render and validate stages: autoscaling actor pools (``stages:`` in config)."""
+    import ray
+    import ray.data
+
+    cpus = ray.cluster_resources().get("CPU")
+    out = {}
+    for name, pool in (("render", cfg.stages.render), ("validate", cfg.stages.validate_)):
+        low, high = pool_bounds(pool, cfg.sources, cpus)
+        out[name] = {"compute": ray.data.ActorPoolStrategy(min_size=low, max_size=high), "num_cpus": pool.num_cpus}
+    return out

@@ -1,0 +1,223 @@
+"""Where a run stands, read from its output folder: no Ray, no engine, safe while the job runs.
+
+    python -m pipeline status CONFIG [--json]
+
+For a job that is running, was killed, or finished: per dataset, how many prompts passed, were
+quarantined (and at which stage) or are still to do (a re-run does exactly those); who generated
+the samples; tokens committed against each API budget (from the ledger journal, which counts
+requests in flight when the job died) and what was billed; whether the folder's manifest still
+matches the config (a re-run would refuse otherwise); hidden-state shards; training progress and
+the last report's held-out acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipeline.base.config import RunConfig
+from pipeline.base.layout import RunLayout
+from pipeline.base.records import read_rows, read_samples
+from pipeline.prompts.datasets import count_rows
+from pipeline.report.costs import cost_lines, cost_table, engine_prices
+from pipeline.report.summary import heldout_breakdown_lines
+
+
+def _read_json(path: Path) -> tuple[Any, str | None]:
+    """``(content, None)``; ``(None, None)`` when the file is absent; ``(None, why)`` when it cannot be
+    read or parsed (e.g. cut short by a full disk or written by hand): status reports it, never raises."""
+    if not path.exists():
+        return None, None
+    try:
+        return json.loads(path.read_bytes()), None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None, f"{path.name} is unreadable ({type(e).__name__}: {e})"
+
+
+def _last_json_line(path: Path) -> dict[str, Any] | None:
+    """The last whole record of a JSONL log (the job may have died mid-line)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    for ln in reversed(text.splitlines()):
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            return rec
+    return None
+
+
+def dataset_status(cfg: RunConfig, samples: list[dict[str, Any]], quarantine: list[dict[str, Any]]) -> dict:
+    passed: dict[str, set[str]] = {}
+    for r in samples:
+        passed.setdefault(r["dataset"], set()).add(r["sample_id"])
+    held: dict[str, dict[str, str]] = {}  # dataset -> sample id -> stage (quarantined, never passed)
+    for r in quarantine:
+        if r["sample_id"] not in passed.get(r["dataset"], set()):
+            held.setdefault(r["dataset"], {}).setdefault(r["sample_id"], r["stage"])
+    out = {}
+    for d in cfg.datasets:
+        total = count_rows(d)  # streamed: no row is held, a Parquet file's footer says it
+        p, q = len(passed.get(d.name, ())), held.get(d.name, {})
+        out[d.name] = {"rows": total, "passed": p, "quarantined": len(q),
+                       "quarantined_by_stage": dict(Counter(q.values())), "to_do": max(total - p - len(q), 0)}
+    return out
+
+
+def spend_status(cfg: RunConfig, out: Path, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    from pipeline.generate.ledger import read_journal
+    from pipeline.generate.sources.http.journal import billed_by_dataset, load_responses
+    from pipeline.generate.sources.registry import spending_sources
+
+    spend = {}
+    for src in spending_sources(cfg.sources):
+        billed: Counter = Counter()
+        cost = 0.0
+        for r in samples:
+            if r["source"] == src.name:
+                billed[r["dataset"]] += max(int(r["billed_completion_tokens"] or 0), 0)
+                cost += float(r["cost"] or 0.0)
+        layout = RunLayout(out)
+        committed = read_journal(str(layout.ledger(src.name)))
+        journaled = billed_by_dataset(layout.responses, src.name)
+        written = {r["sample_id"] for r in samples}
+        # paid for, not yet written (a killed attempt's): a re-run rebuilds these without paying again
+        unwritten = Counter(rec.dataset for sid, rec in load_responses(layout.responses, src.name).items()
+                            if sid not in written)
+        datasets = sorted(set(billed) | set(committed) | set(src.budgets) | set(journaled))
+        spend[src.name] = {
+            "cost_usd_in_samples": round(cost, 6),
+            "datasets": {d: {"budget": src.budgets.get(d, src.default_budget), "committed": committed.get(d, 0),
+                             "billed_in_samples": billed.get(d, 0), "billed_in_journal": journaled.get(d, 0),
+                             "paid_responses_not_written": unwritten.get(d, 0),
+                             "held_by_killed_requests": max(0, committed.get(d, 0)
+                                                            - max(billed.get(d, 0), journaled.get(d, 0)))}
+                         for d in datasets},
+        }
+    return spend
+
+
+def manifest_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
+    from pipeline.run.manifest import differences, run_manifest
+
+    path = RunLayout(out).manifest
+    if not path.exists():
+        return {"present": False, "differences": []}
+    if cfg.model.path and not Path(cfg.model.path).is_dir():
+        return {"present": True, "differences": [], "skipped": f"model folder {cfg.model.path} is not on this machine"}
+    old, error = _read_json(path)
+    if error:
+        return {"present": True, "differences": [], "skipped": error}
+    return {"present": True, "differences": differences(old, run_manifest(cfg))}
+
+
+def training_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
+    layout = RunLayout(out)
+    last = _last_json_line(layout.metrics) or {}
+    report, report_error = _read_json(layout.report)
+    if report is not None and not isinstance(report, dict):
+        report, report_error = None, f"{layout.report.name} is unreadable (not a JSON object)"
+    training = (report or {}).get("training")
+    res: dict[str, Any] = {
+        "steps": cfg.training.steps if cfg.training else None,
+        "step": last.get("step") or 0,
+        "last": {k: v for k, v in last.items()
+                 if k in ("loss", "acc_0", "tokens_per_s", "epoch") and isinstance(v, int | float)},
+        "exported": (layout.export / "config.json").exists(),
+        "heldout": training.get("heldout") if isinstance(training, dict) else None,
+    }
+    if report_error:
+        res["report_error"] = report_error
+    index, index_error = _read_json(layout.hidden_index)
+    if index_error:
+        res["hidden_shards"] = {"error": index_error}
+    elif isinstance(index, dict):
+        shards = [e for e in index.get("shards") or [] if isinstance(e, dict)]
+        res["hidden_shards"] = {"files": len(shards), "samples": sum(int(e.get("samples", 0)) for e in shards)}
+    return res
+
+
+def collect_status(cfg: RunConfig) -> dict[str, Any]:
+    out = Path(cfg.output_dir)
+    layout = RunLayout(out)
+    samples, dropped = read_samples(layout.samples, ["sample_id", "dataset", "source", "billed_completion_tokens",
+                                                     "cost", "engine_s"])
+    quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage"])
+    datasets = dataset_status(cfg, samples, quarantine)
+    return {
+        "output_dir": str(out),
+        "totals": {k: sum(d[k] for d in datasets.values()) for k in ("rows", "passed", "quarantined", "to_do")},
+        "datasets": datasets,
+        "samples_by_source": dict(Counter(r["source"] for r in samples)),
+        "duplicates_in_shards": dropped,
+        "spend": spend_status(cfg, out, samples),
+        "costs": cost_table(samples, engine_prices(cfg.sources)),  # dollars and device-hours per dataset
+        "manifest": manifest_status(cfg, out),
+        "training": training_status(cfg, out),
+    }
+
+
+def is_finished(s: dict[str, Any]) -> bool:
+    """Nothing left to do: every prompt passed or quarantined and, with training on, the drafter exported."""
+    tr = s["training"]
+    return s["totals"]["to_do"] == 0 and (not tr["steps"] or (tr["exported"] and tr["step"] >= tr["steps"]))
+
+
+def format_status(s: dict[str, Any]) -> str:
+    t = s["totals"]
+    lines = [f"{s['output_dir']}: {t['passed']} passed, {t['quarantined']} quarantined, {t['to_do']} to do "
+             f"of {t['rows']} prompts" + ("" if t["to_do"] else " (generation complete)")]
+    for name, d in s["datasets"].items():
+        stages = f" {d['quarantined_by_stage']}" if d["quarantined_by_stage"] else ""
+        lines.append(f"  {name:<16} {d['passed']:>7} passed {d['quarantined']:>6} quarantined{stages} "
+                     f"{d['to_do']:>7} to do / {d['rows']}")
+    if s["samples_by_source"]:
+        lines.append(f"  samples by source: {s['samples_by_source']}")
+    if s["duplicates_in_shards"]:
+        lines.append(f"  WARNING: {s['duplicates_in_shards']} extra copies of sample ids in samples/ (each is "
+                     "counted and trained on once)")
+    for name, sp in s["spend"].items():
+        lines.append(f"  spend {name}: ${sp['cost_usd_in_samples']:.4f} billed in samples")
+        for d, v in sp["datasets"].items():
+            budget = "no cap" if v["budget"] is None else f"budget {v['budget']}"
+            lines.append(f"    {d:<16} {v['committed']} tokens committed, {v['billed_in_samples']} billed in "
+                         f"samples, {v['billed_in_journal']} billed in the response journal, {budget}")
+            if v["paid_responses_not_written"]:
+                lines.append(f"    {'':<16} {v['paid_responses_not_written']} paid responses not yet written "
+                             "(a re-run uses them without paying again)")
+            if v["held_by_killed_requests"]:
+                lines.append(f"    {'':<16} {v['held_by_killed_requests']} tokens held by requests in flight when "
+                             "an attempt was killed (they may have been billed)")
+    lines += cost_lines(s.get("costs"))
+    m = s["manifest"]
+    if m["differences"]:
+        lines.append("  manifest differs from the config (a re-run would refuse):")
+        lines += [f"    {d}" for d in m["differences"]]
+    elif m.get("skipped"):
+        lines.append(f"  manifest not checked: {m['skipped']}")
+    elif m["present"]:
+        lines.append("  manifest matches the config")
+    tr = s["training"]
+    hs = tr.get("hidden_shards")
+    if hs and hs.get("error"):
+        lines.append(f"  hidden shards: {hs['error']}")
+    elif hs:
+        lines.append(f"  hidden shards: {hs['files']} files, {hs['samples']} samples")
+    if tr["steps"]:
+        last = ", ".join(f"{k} {v:.4g}" for k, v in tr["last"].items())
+        lines.append(f"  training: step {tr['step']} of {tr['steps']}" + (f" ({last})" if last else "")
+                     + (", exported" if tr["exported"] else ""))
+    if tr.get("report_error"):
+        lines.append(f"  last report: {tr['report_error']}")
+    h = tr.get("heldout") or {}
+    if isinstance(h, dict) and isinstance(h.get("acceptance_length"), int | float):
+        lines.append(f"  held-out acceptance length {h['acceptance_length']:.3f} at k={h.get('k')} on "
+                     f"{h.get('samples')} samples (last report)")
+        lines += heldout_breakdown_lines(h)
+    lines.append("  finished" if is_finished(s) else "  not finished: re-run the same config to continue")
+    return "\n".join(lines)

@@ -1,1 +1,0 @@
-"""Inference sources: local engines and HTTP APIs, each a Ray Data callable class."""
