@@ -42,7 +42,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# BENCH_PIPELINE_ROOT: the pipeline runs from another checkout (an A/B of a change); the bench's own code
+# (the stand-in, the floor) stays this checkout's.
+_driver = sys.argv[1:2] == ["_driver"]
+sys.path.insert(0, (os.environ.get("BENCH_PIPELINE_ROOT") if _driver else None) or str(ROOT))
 
 MODEL = "tiny/deepseek-tiny"
 PROFILE = "deepseek"
@@ -356,7 +359,10 @@ def cmd_floor(a: argparse.Namespace) -> int:
 
 def cmd_driver(a: argparse.Namespace) -> int:
     """Child process: ``python -m pipeline ARGS`` in this process, its peak RSS written to ``--rss-out``."""
-    from pipeline.run.cli import main
+    try:
+        from pipeline.run.cli import main
+    except ImportError:  # BENCH_PIPELINE_ROOT names a checkout from before the regroup (an A/B of the change)
+        from pipeline.cli import main  # type: ignore[no-redef]
 
     rc = 1
     try:
@@ -391,10 +397,13 @@ def run_pipeline(args: Sequence[str], tmp: Path, timeout: float, tag: str) -> di
     seconds from launch to the first console line that counts an answer (progress lines every 0.5 s)."""
     rss_out = tmp / f"{tag}.rss.json"
     env = child_env(tmp) | {"PIPELINE_PROGRESS_S": "0.5"}
+    other = os.environ.get("BENCH_PIPELINE_ROOT")  # another checkout's pipeline (an A/B), first on the path
+    if other:
+        env["PYTHONPATH"] = other
     log = (tmp / f"{tag}.out").open("w")
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, __file__, "_driver", "--rss-out", str(rss_out), "--", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=other or ROOT, env=env,
                             start_new_session=True)
     first: list[float] = []  # the first line counting an answer
     began: list[float] = []  # the phase's first line, printed as it starts

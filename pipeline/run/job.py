@@ -94,6 +94,7 @@ def run_logs(layout: RunLayout, console: Console) -> AbstractContextManager[Any]
 
 def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     from pipeline.generate.sources.chain import wait_for_retired_engines
+    from pipeline.hidden.extract import HiddenStateExtractor
 
     timings = Timings()
     t_all = time.perf_counter()
@@ -146,7 +147,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
         "series": tally.series,  # snapshots over time (pipeline.report.throughput), drawn in report.html
     }
     atomic_write_json(layout.report, report)
-    wait_for_retired_engines()  # engines finish stopping before this driver (and a local Ray) exits
+    wait_for_retired_engines(also=[HiddenStateExtractor.__name__])  # engines stop before this driver exits
     publish_report(cfg, layout, report)  # report.html + the trackers' run summary; never raises
     console.line(format_report(report, layout.root))
     return report

@@ -35,7 +35,7 @@ import pyarrow as pa
 from pipeline.base.config import EngineSourceConfig, ExtractionConfig, SamplingConfig
 from pipeline.base.flight import batch_to_rows, mark, rows_to_table
 from pipeline.generate.router import Router, has_tools
-from pipeline.generate.sources.registry import source_kind
+from pipeline.generate.sources.registry import SOURCES, source_kind
 
 _PLACEMENT_GROUPS: list[Any] = []  # created in this (driver) process by placement_strategy
 
@@ -75,7 +75,7 @@ def release_placement_groups() -> int:
     return n
 
 
-def wait_for_retired_engines(timeout_s: float = 30.0, poll_s: float = 0.5) -> int:
+def wait_for_retired_engines(also: Iterable[str] = (), timeout_s: float = 30.0, poll_s: float = 0.5) -> int:
     """Wait until this job's engine actors (generators, extractors) have exited; return how many were still
     alive at the timeout.
 
@@ -89,13 +89,16 @@ def wait_for_retired_engines(timeout_s: float = 30.0, poll_s: float = 0.5) -> in
     import ray
     from ray.util.state import list_actors
 
+    # The registry's engine actor classes (Ray Data names an actor ``MapWorker(MapBatches(<class>))``), and
+    # ``also``: the extraction's, which a floor below hidden/ does not know.
+    engines = {k.actor.rsplit(":", 1)[1] for k in SOURCES.values() if k.layout != "async_http"} | set(also)
     job = ray.get_runtime_context().get_job_id()
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             alive = [a for a in list_actors(filters=[("state", "=", "ALIVE"), ("job_id", "=", job)], limit=10_000,
                                             raise_on_missing_output=False)
-                     if "Generator)" in a.class_name or "Extractor)" in a.class_name]
+                     if any(f"({name})" in a.class_name for name in engines)]
         except Exception:
             return 0
         if not alive or time.monotonic() >= deadline:
