@@ -102,6 +102,25 @@ class RunLayout:
         """Journals of paid API responses, one file per source actor (see pipeline.generate.sources.http.journal)."""
         return self.root / "responses"
 
+    @property
+    def value(self) -> Path:
+        """The value curves' drafters and results (``python -m pipeline value``, pipeline.value)."""
+        return self.root / "value"
+
+    @property
+    def value_hidden(self) -> Path:
+        """Hidden-state shards the value drafters read when the run streamed its states (nothing on disk)."""
+        return self.value / "hidden"
+
+    @property
+    def value_report(self) -> Path:
+        return self.value / "value.json"
+
+    @property
+    def plan(self) -> Path:
+        """The latest ``python -m pipeline plan``: its budgets and the predicted gain (read by report.html)."""
+        return self.value / "plan.json"
+
     def ledger(self, source: str) -> Path:
         """An API source's budget journal."""
         return self.root / f"ledger-{file_part(source)}.json"

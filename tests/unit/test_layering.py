@@ -136,7 +136,8 @@ FLOORS: dict[str, set[str]] = {
     "generate": {"checks", "base", "profiles"},              # stages, routing, budgets, sources
     "hidden": {"generate", "report", "checks", "base", "profiles"},  # extraction, hand-off to training
     "demo": {"base", "profiles"},                            # tiny targets, the stand-in server
-    "run": {"hidden", "generate", "report", "checks", "prompts", "base", "profiles", "demo"},
+    "value": {"hidden", "generate", "report", "checks", "base", "profiles"},  # value drafters, curves, plan
+    "run": {"value", "hidden", "generate", "report", "checks", "prompts", "base", "profiles", "demo"},
 }
 # training/ reads the run folder's paths (base) and captures hidden states with the extraction's loader.
 TRAINING_MAY_IMPORT = {"base", "hidden", "profiles"}

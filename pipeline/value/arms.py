@@ -1,0 +1,148 @@
+"""The value drafters: short drafters trained on nested fractions of one dataset's samples, the others whole.
+
+One *arm* is one drafter: every dataset at fraction 1 (the full arm), or one dataset at 0 (left out), 25% or
+50% and the rest whole. Fractions are nested by a salted hash of the sample id (a sample in the 25% arm is in
+the 50% one), and every arm trains on the same number of steps, so an arm differs from the full one only in
+what that dataset's samples taught. Each arm is measured on the run's own held-out samples, per dataset.
+
+``train_arm`` runs one arm in one process (a Ray task in ``pipeline.run.value``): it streams the hidden-state
+shards, keeps the arm's rows, counts its draft vocabulary, trains (resuming its own checkpoints), exports,
+and writes ``result.json`` last, so a killed value run redoes only the arms without one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.base.layout import atomic_write_json
+
+RESULT_FILE = "result.json"
+DEFAULT_FRACTIONS = (0.0, 0.25, 0.5)
+
+
+def value_score(sample_id: str) -> float:
+    """A uniform number in [0, 1) fixed by the sample id, salted apart from the held-out split's hash."""
+    digest = hashlib.sha256(f"value\x1f{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One value drafter: ``dataset`` at ``fraction`` (None: the full arm, every dataset whole), one seed."""
+
+    dataset: str | None
+    fraction: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        what = "full" if self.dataset is None else f"{self.dataset}@{self.fraction:g}"
+        return f"{what}.seed{self.seed}"
+
+    def fraction_of(self, dataset: str) -> float:
+        return self.fraction if dataset == self.dataset else 1.0
+
+    def keeps(self, sample_id: str, dataset: str) -> bool:
+        f = self.fraction_of(dataset)
+        return f >= 1.0 or value_score(sample_id) < f
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dataset": self.dataset, "fraction": self.fraction, "seed": self.seed}
+
+
+def value_arms(datasets: Sequence[str], fractions: Sequence[float] = DEFAULT_FRACTIONS,
+               seeds: Sequence[int] = (0,)) -> list[Arm]:
+    """The full arm and, per dataset, one arm per fraction below 1; each for every seed."""
+    out = []
+    for seed in seeds:
+        out.append(Arm(None, 1.0, seed))
+        out += [Arm(d, float(f), seed) for d in datasets for f in sorted(set(fractions)) if f < 1.0]
+    return out
+
+
+def arm_spend(arm: Arm, samples: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per dataset, the training samples the arm keeps and what they cost (``usd``, ``tokens``): the spend axis
+    of the curves. ``samples``: the training samples (held-out ones excepted), each with ``sample_id``,
+    ``dataset``, ``usd`` and ``tokens``."""
+    out: dict[str, dict[str, float]] = {}
+    for s in samples:
+        acc = out.setdefault(str(s["dataset"]), {"samples": 0, "usd": 0.0, "tokens": 0})
+        if arm.keeps(str(s["sample_id"]), str(s["dataset"])):
+            acc["samples"] += 1
+            acc["usd"] += float(s["usd"])
+            acc["tokens"] += int(s["tokens"])
+    return out
+
+
+def read_result(arm_dir: Path, arm: Arm, steps: int) -> dict[str, Any] | None:
+    """An arm's finished result, if one was written for the same arm and steps (else it is trained again)."""
+    path = arm_dir / RESULT_FILE
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(res, dict) or res.get("arm") != arm.to_dict() or res.get("steps") != steps:
+        return None
+    return res
+
+
+def _rows(hidden_dir: str, keep: Any) -> Iterator[dict[str, Any]]:
+    from pipeline.hidden.shards import read_hidden_shards
+
+    return (r for r in read_hidden_shards(hidden_dir) if keep(str(r["sample_id"])))
+
+
+def train_arm(arm: Arm, *, train_cfg: dict[str, Any], target_dir: str, hidden_dir: str, arm_dir: str,
+              datasets: Mapping[str, str], labels: Mapping[str, Mapping[str, Any]], heldout_fraction: float,
+              heldout_max: int) -> dict[str, Any]:
+    """Train, export and measure one arm; returns (and writes) its result. ``datasets``: sample id -> dataset
+    of every passed sample; ``labels``: dataset and source of each, for the held-out groups."""
+    import time
+
+    import torch
+
+    from training.checkpoint import LocalCheckpoints
+    from training.config import DraftTrainConfig
+    from training.export import export_draft
+    from training.heldout import heldout_acceptance, is_held_out
+    from training.target import read_target_config
+    from training.train import load_vocab, save_vocab, train_loop
+    from training.vocab import build_vocab_mapping
+
+    t0 = time.perf_counter()
+    cfg = DraftTrainConfig.model_validate(train_cfg).model_copy(update={"seed": arm.seed})
+    out = Path(arm_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not cfg.use_gpu:
+        torch.set_num_threads(max(1, int(cfg.resources_per_worker.get("CPU", 1))))
+    device = "cuda" if cfg.use_gpu and torch.cuda.is_available() else "cpu"
+
+    def trains(sid: str) -> bool:
+        return sid in datasets and not is_held_out(sid, heldout_fraction) and arm.keeps(sid, datasets[sid])
+
+    target_cfg = read_target_config(target_dir)
+    vocab_path = out / "vocab.safetensors"
+    if vocab_path.exists():
+        vocab = load_vocab(vocab_path)
+    else:
+        vocab = build_vocab_mapping(_rows(hidden_dir, trains), target_cfg["vocab_size"], cfg.draft_vocab_size)
+        save_vocab(vocab, vocab_path)
+    latest = LocalCheckpoints(out / "checkpoints", cfg.keep_checkpoints).latest()
+    drafter, metrics = train_loop(cfg, target_dir, out, lambda epoch: _rows(hidden_dir, trains), vocab,
+                                  resume_from=latest, device=device)
+    export_dir = export_draft(drafter.cpu(), out / "export", target_config=target_cfg)
+    held = []
+    for r in _rows(hidden_dir, lambda sid: is_held_out(sid, heldout_fraction)):
+        held.append(r)
+        if len(held) >= heldout_max:
+            break
+    heldout = heldout_acceptance(export_dir, target_dir, held, cfg.eval_k, labels)
+    result = {"arm": arm.to_dict(), "steps": cfg.steps, "heldout": heldout,
+              "final_loss": metrics.get("loss"), "seconds": round(time.perf_counter() - t0, 1)}
+    atomic_write_json(out / RESULT_FILE, result)
+    return result

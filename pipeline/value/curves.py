@@ -1,0 +1,133 @@
+"""Value curves: held-out acceptance against what a dataset's training samples cost, fitted per dataset.
+
+The curve is the saturating hyperbola ``a(s) = a0 + gain * s / (s + half)``:
+
+- finite at ``s = 0``: the leave-one-dataset-out drafter is a real point (what the other datasets give);
+- bounded (``a0 + gain``): acceptance cannot pass ``k + 1``;
+- concave: each dollar buys less than the one before (more samples of one distribution teach less);
+- its gap to the ceiling falls as ``1/s``, the tail of the power laws learning curves follow, with the
+  exponent fixed at 1 because a handful of points (25/50/100% and leave-one-out) cannot pin an exponent down.
+  An exponential saturation would need the same three parameters and promise far less from extra spend.
+
+Pure functions: a weighted least-squares fit (exact in ``a0`` and ``gain`` for a given ``half``; ``half`` by a
+log grid then golden-section search), and a parametric bootstrap over the points' standard errors for the
+uncertainty of anything predicted from a curve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+GRID = 240  # log-spaced trial values of ``half`` before the golden-section refinement
+MIN_POINTS = 3
+
+
+@dataclass(frozen=True)
+class Curve:
+    """``a(s) = a0 + gain * s / (s + half)``: acceptance at spend ``s`` (dollars or tokens)."""
+
+    a0: float
+    gain: float
+    half: float  # the spend that buys half of ``gain``
+    rmse: float = 0.0  # weighted root-mean-square residual of the fit, in standard errors (1 ~ as noisy as said)
+    saturated: bool = True  # False: ``half`` sits at the top of the search, the points show no bend yet
+
+    def __call__(self, s: float) -> float:
+        s = max(float(s), 0.0)
+        return self.a0 + self.gain * s / (s + self.half)
+
+    def slope(self, s: float) -> float:
+        """Acceptance per unit of spend at ``s``: what the next dollar (or token) buys."""
+        s = max(float(s), 0.0)
+        return self.gain * self.half / (s + self.half) ** 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Curve:
+        return cls(**{k: d[k] for k in ("a0", "gain", "half", "rmse", "saturated") if k in d})
+
+
+def _weights(se: Sequence[float | None] | None, n: int) -> np.ndarray:
+    """1/se^2 per point; a point with no (or a zero) error gets the smallest error of the others."""
+    if se is None:
+        return np.ones(n)
+    vals = np.array([float(s) if s is not None and math.isfinite(float(s)) and float(s) > 0 else np.nan
+                     for s in se])
+    floor = np.nanmin(vals) if np.isfinite(vals).any() else 1.0
+    return 1.0 / np.where(np.isfinite(vals), vals, floor) ** 2
+
+
+def _solve(x: np.ndarray, y: np.ndarray, w: np.ndarray, half: float) -> tuple[float, float, float]:
+    """(a0, gain, weighted squared residual) of the best fit for this ``half``."""
+    basis = np.stack([np.ones_like(x), x / (x + half)], axis=1)
+    sw = np.sqrt(w)
+    coef, *_ = np.linalg.lstsq(basis * sw[:, None], y * sw, rcond=None)
+    resid = float(np.sum(w * (basis @ coef - y) ** 2))
+    return float(coef[0]), float(coef[1]), resid
+
+
+def fit_curve(x: Sequence[float], y: Sequence[float], se: Sequence[float | None] | None = None) -> Curve | str:
+    """The weighted least-squares curve through points (spend, acceptance, its standard error), or why not.
+
+    Needs at least three distinct spends, one of them positive. ``half`` is searched over 1/1000 to 1000
+    times the largest spend; a best fit at the top means the points still rise in a straight line
+    (``saturated`` False: the curve's promise beyond them is a guess)."""
+    xs = np.asarray([float(v) for v in x], dtype=float)
+    ys = np.asarray([float(v) for v in y], dtype=float)
+    if xs.shape != ys.shape or not (np.isfinite(xs).all() and np.isfinite(ys).all()):
+        return "spend and acceptance must be finite numbers, one of each per point"
+    if (xs < 0).any():
+        return "a spend is negative"
+    if len(np.unique(xs)) < MIN_POINTS or xs.max() <= 0:
+        return f"needs {MIN_POINTS} points at distinct spends (got {len(np.unique(xs))})"
+    w = _weights(se, len(xs))
+    top = float(xs.max())
+    lo, hi = math.log(top * 1e-3), math.log(top * 1e3)
+    grid = np.linspace(lo, hi, GRID)
+    scores = [_solve(xs, ys, w, math.exp(g))[2] for g in grid]
+    i = int(np.argmin(scores))
+    a, b = grid[max(i - 1, 0)], grid[min(i + 1, GRID - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(60):  # golden-section search of the bracket around the best grid point
+        c, d = b - golden * (b - a), a + golden * (b - a)
+        if _solve(xs, ys, w, math.exp(c))[2] <= _solve(xs, ys, w, math.exp(d))[2]:
+            b = d
+        else:
+            a = c
+    half = math.exp((a + b) / 2)
+    a0, gain, resid = _solve(xs, ys, w, half)
+    dof = max(len(xs) - 3, 1)
+    return Curve(a0=a0, gain=gain, half=half, rmse=math.sqrt(resid / dof),
+                 saturated=i < GRID - 1 and half < top * 1e3 * 0.99)
+
+
+def curve_draws(x: Sequence[float], y: Sequence[float], se: Sequence[float | None], n: int = 200,
+                seed: int = 0) -> list[Curve]:
+    """Curves refitted on points redrawn within their standard errors (a parametric bootstrap): the spread
+    of a prediction over these curves is its uncertainty. Draws whose fit fails are left out."""
+    rng = np.random.default_rng(seed)
+    ys = np.asarray(y, dtype=float)
+    sd = np.array([float(s) if s is not None and math.isfinite(float(s)) else 0.0 for s in se])
+    out = []
+    for _ in range(n):
+        fit = fit_curve(x, ys + rng.normal(size=len(ys)) * sd, se)
+        if isinstance(fit, Curve):
+            out.append(fit)
+    return out
+
+
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for fewer than two values)."""
+    if not values:
+        return float("nan"), float("nan")
+    m = sum(values) / len(values)
+    if len(values) < 2:
+        return m, 0.0
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
