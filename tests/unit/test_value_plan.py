@@ -1,0 +1,78 @@
+"""The plan spends toward the steeper curve, keeps to whole samples and to the prompts left, refuses a budget
+that buys no sample, and predicts its gain with a spread beside an even split's."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.value.curves import Curve
+from pipeline.value.plan import Buyable, PlanRefused, allocate, even_split, make_plan, plan_lines
+
+STEEP = Curve(a0=2.0, gain=2.0, half=1.0)  # still far from its ceiling at $1
+FLAT = Curve(a0=3.0, gain=0.3, half=0.2)  # nearly saturated at $1
+
+
+def _buys(room_steep: int | None = None, draws: bool = False) -> list[Buyable]:
+    def jitter(c: Curve) -> list[Curve]:
+        return [Curve(c.a0, c.gain * (1 + d), c.half) for d in (-0.1, -0.05, 0.0, 0.05, 0.1)] if draws else []
+
+    return [Buyable("steep", 0.01, 1.0, room_steep, STEEP, jitter(STEEP)),
+            Buyable("flat", 0.01, 1.0, None, FLAT, jitter(FLAT))]
+
+
+def test_the_budget_goes_mostly_to_the_steeper_curve_and_beats_an_even_split():
+    plan = make_plan(_buys(draws=True), 2.0, train_share=0.9, now=3.0)
+    add = {r["dataset"]: r["add_usd"] for r in plan["datasets"]}
+    assert add["steep"] > 3 * add["flat"]
+    assert plan["planned_usd"] == pytest.approx(2.0, abs=0.02) and plan["unspent_usd"] < 0.02
+    assert plan["predicted"]["gain"] > plan["even_split"]["predicted"]["gain"] > 0
+    assert plan["predicted"]["sd"] > 0 and plan["predicted"]["draws"] == 5
+    for r in plan["datasets"]:  # whole samples
+        assert r["add_usd"] == pytest.approx(r["add_samples"] * 0.01)
+    lines = plan_lines(plan)
+    assert lines[0].startswith("[plan] $2 more: predicted mix acceptance 3.000 -> ")
+    assert any("steep: +$" in ln for ln in lines)
+
+
+def test_greedy_allocation_matches_equal_marginal_gains():
+    """For concave curves the optimum equalises the slopes where both get money."""
+    alloc = allocate(_buys(), 2.0, train_share=1.0, steps=2000)
+    s_steep, s_flat = 1.0 + alloc["steep"], 1.0 + alloc["flat"]
+    if alloc["flat"] > 0:
+        assert STEEP.slope(s_steep) == pytest.approx(FLAT.slope(s_flat), rel=0.05)
+    else:
+        assert STEEP.slope(s_steep) >= FLAT.slope(s_flat)
+
+
+def test_a_dataset_takes_no_more_than_its_prompts_left():
+    plan = make_plan(_buys(room_steep=20), 2.0, train_share=1.0, now=3.0)
+    steep = next(r for r in plan["datasets"] if r["dataset"] == "steep")
+    assert steep["add_samples"] == 20 and steep["full"]
+    assert "no prompts left after it" in "\n".join(plan_lines(plan))
+    assert even_split(_buys(room_steep=20), 2.0)["steep"] == pytest.approx(0.2)
+
+
+def test_money_no_curve_gains_from_is_left_unspent():
+    flat = [Buyable("done", 0.01, 1.0, None, Curve(3.0, 0.0, 1.0))]
+    plan = make_plan(flat, 1.0, train_share=1.0, now=3.0)
+    assert plan["planned_usd"] == 0 and plan["unspent_usd"] == 1.0
+    assert "left unspent" in "\n".join(plan_lines(plan))
+
+
+@pytest.mark.parametrize(("budget", "why"), [
+    (0.005, "a budget of $0.005 buys no sample: the cheapest dataset, steep, costs $0.01 a sample"),
+    (0.0, "positive number of dollars"),
+    (float("nan"), "positive number of dollars"),
+])
+def test_a_budget_that_buys_no_sample_is_refused(budget, why):
+    with pytest.raises(PlanRefused) as e:
+        make_plan(_buys(), budget, train_share=1.0, now=3.0)
+    assert why in str(e.value)
+
+
+def test_unpriced_datasets_are_named_and_left_out():
+    buys = [*_buys(), Buyable("free", 0.0, 0.0, None, STEEP)]
+    plan = make_plan(buys, 1.0, train_share=1.0, now=3.0)
+    assert plan["unpriced"] == ["free"] and "free" not in {r["dataset"] for r in plan["datasets"]}
+    with pytest.raises(PlanRefused, match="no dataset has a price"):
+        make_plan(buys[2:], 1.0, train_share=1.0, now=3.0)
