@@ -55,13 +55,24 @@ class Curve:
 
 
 def _weights(se: Sequence[float | None] | None, n: int) -> np.ndarray:
-    """1/se^2 per point; a point with no (or a zero) error gets the smallest error of the others."""
-    if se is None:
+    """1/se^2 per point, relative to the smallest error; a point with no (or a zero) error gets the largest
+    error of the others (a figure of under two drafts has none, and is the least sure)."""
+    if se is None or len(se) != n:
         return np.ones(n)
     vals = np.array([float(s) if s is not None and math.isfinite(float(s)) and float(s) > 0 else np.nan
                      for s in se])
-    floor = np.nanmin(vals) if np.isfinite(vals).any() else 1.0
-    return 1.0 / np.where(np.isfinite(vals), vals, floor) ** 2
+    if not np.isfinite(vals).any():
+        return np.ones(n)
+    filled = np.where(np.isfinite(vals), vals, np.nanmax(vals))
+    return (filled.min() / filled) ** 2
+
+
+def _min_error(se: Sequence[float | None] | None, n: int) -> float:
+    """The smallest error ``_weights`` scales by (1 when it used none): rmse in standard errors divides by it."""
+    if se is None or len(se) != n:
+        return 1.0
+    vals = [float(s) for s in se if s is not None and math.isfinite(float(s)) and float(s) > 0]
+    return min(vals) if vals else 1.0
 
 
 def _solve(x: np.ndarray, y: np.ndarray, w: np.ndarray, half: float) -> tuple[float, float, float]:
@@ -74,6 +85,14 @@ def _solve(x: np.ndarray, y: np.ndarray, w: np.ndarray, half: float) -> tuple[fl
 
 
 def fit_curve(x: Sequence[float], y: Sequence[float], se: Sequence[float | None] | None = None) -> Curve | str:
+    """See ``_fit``; numbers too extreme to fit are a reason too, never an exception."""
+    try:
+        return _fit(x, y, se)
+    except (ValueError, OverflowError, ZeroDivisionError, np.linalg.LinAlgError) as e:
+        return f"the points cannot be fitted ({type(e).__name__}: {e})"
+
+
+def _fit(x: Sequence[float], y: Sequence[float], se: Sequence[float | None] | None) -> Curve | str:
     """The weighted least-squares curve through points (spend, acceptance, its standard error), or why not.
 
     Needs at least three distinct spends, one of them positive. ``half`` is searched over 1/1000 to 1000
@@ -104,7 +123,7 @@ def fit_curve(x: Sequence[float], y: Sequence[float], se: Sequence[float | None]
     half = math.exp((a + b) / 2)
     a0, gain, resid = _solve(xs, ys, w, half)
     dof = max(len(xs) - 3, 1)
-    return Curve(a0=a0, gain=gain, half=half, rmse=math.sqrt(resid / dof),
+    return Curve(a0=a0, gain=gain, half=half, rmse=math.sqrt(resid / dof) / _min_error(se, len(xs)),
                  saturated=i < GRID - 1 and half < top * 1e3 * 0.99)
 
 

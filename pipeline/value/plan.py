@@ -60,7 +60,20 @@ def allocate(buys: Sequence[Buyable], budget: float, train_share: float, steps: 
         if best is None:
             break
         alloc[best.dataset] += min(step, cap[best.dataset] - alloc[best.dataset])
-    return {b.dataset: math.floor(alloc[b.dataset] / b.usd_per_sample + 1e-9) * b.usd_per_sample for b in buys}
+    whole = {b.dataset: math.floor(alloc[b.dataset] / b.usd_per_sample + 1e-9) * b.usd_per_sample for b in buys}
+    # the fractions of a sample cut off above, spent again in whole samples on the best next sample
+    left = budget - sum(whole.values())
+    while True:
+        fits = [b for b in buys if b.usd_per_sample <= left + 1e-12
+                and whole[b.dataset] + b.usd_per_sample <= cap[b.dataset] + 1e-12]
+        gains = [(gain(b.curve, b.spent_usd + whole[b.dataset] * train_share, b.usd_per_sample, train_share), b)
+                 for b in fits]
+        gains = [(g, b) for g, b in gains if g > 0]
+        if not gains:
+            return whole
+        _, b = max(gains, key=lambda gb: gb[0])
+        whole[b.dataset] += b.usd_per_sample
+        left -= b.usd_per_sample
 
 
 def even_split(buys: Sequence[Buyable], budget: float) -> dict[str, float]:
@@ -132,7 +145,8 @@ def plan_lines(plan: Mapping[str, Any]) -> list[str]:
         tail = f" ({', '.join(notes)})" if notes else ""
         lines.append(f"[plan]   {r['dataset']}: +${r['add_usd']:.4g} ({r['add_samples']} samples at "
                      f"${r['usd_per_sample']:.3g}), gain {r['gain']:+.3f}{tail}")
-    if plan["unspent_usd"] > 0:
+    if plan["unspent_usd"] > 0 and plan["datasets"] and plan["unspent_usd"] >= min(
+            r["usd_per_sample"] for r in plan["datasets"]):
         lines.append(f"[plan]   ${plan['unspent_usd']:.4g} left unspent: no dataset's next sample is predicted to "
                      "gain, or no prompts are left")
     if plan["unpriced"]:

@@ -50,6 +50,8 @@ def test_a_straight_line_is_fitted_but_marked_unsaturated():
     ([0.0, -1.0, 2.0], [1.0, 2.0, 3.0], "negative"),
     ([0.0, 1.0, 2.0], [1.0, float("nan"), 3.0], "finite"),
     ([0.0, 1.0, 2.0], [1.0, 2.0], "one of each"),
+    ([0.0, 1e-323, 2e-323], [1.0, 2.0, 3.0], "cannot be fitted"),
+    ([0.0, 1e306, 2e306], [1.0, 2.0, 3.0], "cannot be fitted"),
 ])
 def test_fit_says_why_it_cannot_fit(x, y, why):
     out = fit_curve(x, y)

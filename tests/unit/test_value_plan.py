@@ -36,12 +36,16 @@ def test_the_budget_goes_mostly_to_the_steeper_curve_and_beats_an_even_split():
 
 def test_greedy_allocation_matches_equal_marginal_gains():
     """For concave curves the optimum equalises the slopes where both get money."""
-    alloc = allocate(_buys(), 2.0, train_share=1.0, steps=2000)
+    alloc = allocate(_buys(), 10.0, train_share=1.0, steps=2000)
     s_steep, s_flat = 1.0 + alloc["steep"], 1.0 + alloc["flat"]
-    if alloc["flat"] > 0:
-        assert STEEP.slope(s_steep) == pytest.approx(FLAT.slope(s_flat), rel=0.05)
-    else:
-        assert STEEP.slope(s_steep) >= FLAT.slope(s_flat)
+    assert alloc["flat"] > 0 and alloc["steep"] > alloc["flat"]
+    assert STEEP.slope(s_steep) == pytest.approx(FLAT.slope(s_flat), rel=0.05)
+
+
+def test_the_fractions_of_a_sample_are_spent_in_whole_samples():
+    twins = [Buyable(d, 0.01, 1.0, None, STEEP) for d in ("x", "y")]
+    alloc = allocate(twins, 0.019, train_share=1.0)
+    assert sum(alloc.values()) == pytest.approx(0.01)
 
 
 def test_a_dataset_takes_no_more_than_its_prompts_left():
