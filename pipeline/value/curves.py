@@ -54,25 +54,18 @@ class Curve:
         return cls(**{k: d[k] for k in ("a0", "gain", "half", "rmse", "saturated") if k in d})
 
 
-def _weights(se: Sequence[float | None] | None, n: int) -> np.ndarray:
-    """1/se^2 per point, relative to the smallest error; a point with no (or a zero) error gets the largest
-    error of the others (a figure of under two drafts has none, and is the least sure)."""
+def _weights(se: Sequence[float | None] | None, n: int) -> tuple[np.ndarray, float]:
+    """(1/se^2 per point relative to the smallest error, that smallest error: 1 when none is used). A point with
+    no (or a zero) error gets the largest error of the others (a figure of under two drafts has none, and is the
+    least sure)."""
     if se is None or len(se) != n:
-        return np.ones(n)
+        return np.ones(n), 1.0
     vals = np.array([float(s) if s is not None and math.isfinite(float(s)) and float(s) > 0 else np.nan
                      for s in se])
     if not np.isfinite(vals).any():
-        return np.ones(n)
+        return np.ones(n), 1.0
     filled = np.where(np.isfinite(vals), vals, np.nanmax(vals))
-    return (filled.min() / filled) ** 2
-
-
-def _min_error(se: Sequence[float | None] | None, n: int) -> float:
-    """The smallest error ``_weights`` scales by (1 when it used none): rmse in standard errors divides by it."""
-    if se is None or len(se) != n:
-        return 1.0
-    vals = [float(s) for s in se if s is not None and math.isfinite(float(s)) and float(s) > 0]
-    return min(vals) if vals else 1.0
+    return (filled.min() / filled) ** 2, float(filled.min())
 
 
 def _solve(x: np.ndarray, y: np.ndarray, w: np.ndarray, half: float) -> tuple[float, float, float]:
@@ -106,7 +99,7 @@ def _fit(x: Sequence[float], y: Sequence[float], se: Sequence[float | None] | No
         return "a spend is negative"
     if len(np.unique(xs)) < MIN_POINTS or xs.max() <= 0:
         return f"needs {MIN_POINTS} points at distinct spends (got {len(np.unique(xs))})"
-    w = _weights(se, len(xs))
+    w, scale = _weights(se, len(xs))
     top = float(xs.max())
     lo, hi = math.log(top * 1e-3), math.log(top * 1e3)
     grid = np.linspace(lo, hi, GRID)
@@ -123,7 +116,7 @@ def _fit(x: Sequence[float], y: Sequence[float], se: Sequence[float | None] | No
     half = math.exp((a + b) / 2)
     a0, gain, resid = _solve(xs, ys, w, half)
     dof = max(len(xs) - 3, 1)
-    return Curve(a0=a0, gain=gain, half=half, rmse=math.sqrt(resid / dof) / _min_error(se, len(xs)),
+    return Curve(a0=a0, gain=gain, half=half, rmse=math.sqrt(resid / dof) / scale,
                  saturated=i < GRID - 1 and half < top * 1e3 * 0.99)
 
 
