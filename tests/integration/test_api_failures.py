@@ -153,8 +153,7 @@ def test_server_death_mid_run_then_resume(tmp_path, repo_root, tiny_target, env)
     budget = ROWS * MAX_TOKENS
     cfg = write_config(tmp_path, repo_root, tiny_target, port, budget=budget)
     server = Server(tmp_path, port, "--delay-ms", "400", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
-    driver = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    driver = start_run(cfg, env)
     deadline = time.time() + 300
     # Stop the API once some answers came back, with most prompts still to ask (samples are written when the
     # run ends, so the server's own count is the signal).
@@ -267,6 +266,29 @@ def http_actor_pids(dashboard: str) -> list[int]:
             if FLIGHT in (a.class_name or "") and a.pid]
 
 
+_DRIVERS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_driver_outlives_its_test():
+    """A test that fails while its run is still going kills that run: a leaked driver would keep its job on the
+    shared head and slow or starve every later test."""
+    yield
+    while _DRIVERS:
+        proc = _DRIVERS.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+
+
+def start_run(cfg: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`python -m pipeline run` in the background (the test acts on the API or the cluster meanwhile)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _DRIVERS.append(proc)
+    return proc
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: subprocess.Popen | None = None,
              poll: float = 0.3) -> Any:
     """Poll until ``predicate()`` is truthy (and return it); fail early when the driver ``proc`` exits."""
@@ -346,8 +368,7 @@ def test_sigkill_of_the_http_actor_under_a_binding_budget_ends_by_itself(tmp_pat
                        request_timeout_s=10.0)
     server = Server(tmp_path, port, "--delay-ms", "500", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
     try:
-        driver = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        driver = start_run(cfg, env)
         wait_for(lambda: server.counts().get("served", 0) >= 2, 300, "2 served requests", driver)
         pids = wait_for(lambda: http_actor_pids(ray_head.dashboard), 60, "the HTTP actor", driver)
         for pid in pids:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,7 +29,9 @@ from tests.integration.test_api_failures import (
     Server,
     check_accounting,
     free_port,
+    no_driver_outlives_its_test,  # noqa: F401 - autouse here too: a failed test kills its run
     run,
+    start_run,
     wait_for,
     write_config,
 )
@@ -55,29 +55,6 @@ def nodes(ray_head, ray_session):
         yield added
     finally:
         added.remove_all()
-
-
-_DRIVERS: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_driver_outlives_its_test():
-    """A test that fails while its run is still going kills that run: a leaked driver would keep its job on the
-    shared head and slow or starve every later test."""
-    yield
-    while _DRIVERS:
-        proc = _DRIVERS.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
-
-
-def start_run(cfg: Path, env: dict[str, str]) -> subprocess.Popen:
-    """`python -m pipeline run` in the background (the test acts on the cluster meanwhile)."""
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    _DRIVERS.append(proc)
-    return proc
 
 
 def alive_on(nodes: Nodes, before: set[str], repr_part: str) -> dict[str, str]:
