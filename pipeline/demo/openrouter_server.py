@@ -80,6 +80,9 @@ class ServerConfig:
     credits_tokens: int | None = None
     # Models with an endpoint; a request for any other gets 404 "No endpoints found" (empty: every model).
     known_models: tuple[str, ...] = ()
+    # While this file exists, every chat request waits (counted in "requests", not yet answered or billed): a
+    # provider that stalls, which a test lifts when it is ready (e.g. once a pool has grown onto a new node).
+    hold_file: str | None = None
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -462,6 +465,8 @@ class OpenRouterLikeServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self._count("requests")
+        while self.cfg.hold_file and os.path.exists(self.cfg.hold_file):
+            await asyncio.sleep(0.05)
         t0 = time.perf_counter()
         if not self._authorized(request):
             return self._error(401, STATUS_TEXT[401])
@@ -684,6 +689,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
     p.add_argument("--bill-log", help="append one JSON line per billed generation to this file")
     p.add_argument("--known-models", default="",
                    help="comma-separated models with an endpoint; any other gets 404 (default: every model)")
+    p.add_argument("--hold-file", help="while this file exists, chat requests wait unanswered (a stalled provider)")
     a = p.parse_args(argv)
     if a.answer_tokens is not None and a.model_dir and not a.no_model:
         p.error("--answer-tokens needs the no-model backend (--no-model, or no --model-dir)")
@@ -699,7 +705,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
                        miscount_providers=tuple(a.miscount_provider), corrupt_providers=tuple(a.corrupt_provider),
                        flaky_providers=flaky, credits_tokens=a.credits,
                        known_models=tuple(x for x in a.known_models.split(",") if x),
-                       prompt_price_per_token=a.prompt_price, bill_log=a.bill_log)
+                       prompt_price_per_token=a.prompt_price, bill_log=a.bill_log,
+                       hold_file=a.hold_file)
     return cfg, a
 
 

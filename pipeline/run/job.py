@@ -173,7 +173,10 @@ def init_ray(cfg: RunConfig) -> None:
         local_head = address.split("://")[-1].startswith(("127.0.0.1", "localhost"))
         ray.init(address=address, **(loopback if local_head else {}))
     else:
-        env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
+        from pipeline.base.ray_worker import SETUP_HOOK
+
+        env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
+               "worker_process_setup_hook": SETUP_HOOK}
         # The dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls every second
         # (without it: a warning a second, and no clean-up of a dead controller's bundles). It binds the next
         # free port when 8265 is taken.

@@ -195,33 +195,38 @@ def scaling_lines(ray_temp_dir: Path, since: float, stage: str) -> list[str]:
 
 def test_http_pool_grows_onto_a_node_added_mid_run_and_shrinks_when_the_queue_drains(
         tmp_path, repo_root, tiny_target, env, nodes, ray_head):
-    """A pool of 1..2 actors starts on the only `api_node` node; its queue backs up (slow API) and Ray Data asks
-    for a second actor, which waits for resources until a second `api_node` node joins mid-run and then serves
-    there. Once every batch is handed out, the pool releases an idle actor before the run ends."""
+    """A pool of 1..2 actors starts on the only `api_node` node; its queue backs up (a stalled API) and Ray Data
+    asks for a second actor, which waits for resources until a second `api_node` node joins mid-run and then
+    serves there. Once every batch is handed out, the pool releases an idle actor before the run ends."""
     a = nodes.add(num_cpus=1, resources={"api_node": 1})
     budget = ROWS * MAX_TOKENS
     port = free_port()
     cfg = write_config(tmp_path, repo_root, tiny_target, port, budget=budget, resources={"api_node": 1},
-                       num_actors=1, max_actors=2, batch_size=2, max_in_flight=2, request_timeout_s=30.0)
+                       num_actors=1, max_actors=2, batch_size=2, max_in_flight=2, request_timeout_s=600.0)
     before, t0 = nodes.actor_ids(), time.time()
-    # 8 batches of 2 at 4 s each: ~32 s for one actor, time enough for a node to join (~15 s on 2 busy cores)
-    server = Server(tmp_path, port, "--delay-ms", "4000", "--api-key-env", "FAULT_MATRIX_KEY", env=env)
+    # The provider stalls until the second actor is up, however long the node takes to join on a loaded machine
+    # (the first run of this test without the stall lost that race on CI); then 8 batches of 2 at 2 s each.
+    hold = tmp_path / "hold"
+    hold.touch()
+    server = Server(tmp_path, port, "--delay-ms", "2000", "--api-key-env", "FAULT_MATRIX_KEY", "--hold-file",
+                    str(hold), env=env)
     try:
         driver = start_run(cfg, env)
         wait_for(lambda: server.counts().get("requests", 0) >= 1, 300, "a first request", driver, poll=0.1)
         b = nodes.add(num_cpus=1, resources={"api_node": 1})
-        joined_at_served = server.counts().get("served", 0)
         on_b = wait_for(lambda: b.node_id in alive_on(nodes, before, FLIGHT).values(), 300,
                         "an HTTP actor on the new node", driver)
-        grown_at_served = server.counts().get("served", 0)
+        served_before_growth = server.counts().get("served", 0)
+        hold.unlink()
         text, _ = driver.communicate(timeout=600)
     finally:
+        hold.unlink(missing_ok=True)
         billed = server.stop()["billed_completion_tokens"]
     assert on_b and driver.returncode == 0, text[-4000:]
+    assert served_before_growth == 0, "the stalled provider answered before the pool grew"
     flight = nodes.actors_since(before, FLIGHT)
     assert sorted(n for n in (f.node_id for f in flight)) == sorted([a.node_id, b.node_id]), \
         [(f.node_id, f.state) for f in flight]
-    assert grown_at_served < ROWS, "the second actor came up after the work was done"
     lines = scaling_lines(Path(ray_head.temp_dir), t0, FLIGHT)
     ups = [ln for ln in lines if "Scaling up" in ln and "initial size" not in ln]
     downs = [ln for ln in lines if "Scaled down" in ln]
@@ -230,7 +235,6 @@ def test_http_pool_grows_onto_a_node_added_mid_run_and_shrinks_when_the_queue_dr
     assert downs and "consumed all inputs" in downs[0] and "running=1," in downs[0], lines
     st = check_accounting(cfg, expect_to_do=0)
     check_spend(cfg, billed, budget)
-    print(f"node joined after {joined_at_served} served; actor on it alive after {grown_at_served} served")
     print("scaling:", *[ln.split(" -- ", 1)[-1][:160] for ln in ups + downs], sep="\n  ")
     print(spend_line(cfg, billed, budget, st))
 
