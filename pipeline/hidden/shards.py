@@ -363,8 +363,17 @@ def extract_to_shards(samples_dir: str | Path, out_dir: str | Path, *, model_dir
     def not_done(t: pa.Table) -> pa.Table:
         return t.filter(pc.invert(pc.is_in(t["sample_id"], value_set=done_ids)))
 
+    from pipeline.base.records import read_samples, read_samples_dataset
+
+    def summary(written: int) -> dict[str, Any]:
+        index = build_index(out)
+        return {**{k: v for k, v in index.items() if k != "shards"}, "shards": len(index["shards"]),
+                "resumed_done": len(done), "resumed_quarantined": len(skipped), "written_now": written}
+
+    if all(r["sample_id"] in done or r["sample_id"] in skipped
+           for r in read_samples(Path(samples_dir), ["sample_id"])[0]):
+        return summary(0)  # every sample is in a shard or quarantined: no extraction actor is started
     kwargs = {"out_dtype": "bfloat16" if dtype == "bfloat16" else "float32", **(extractor_kwargs or {})}
-    from pipeline.base.records import read_samples_dataset
 
     samples, _ = read_samples_dataset(Path(samples_dir), SAMPLE_COLUMNS)  # one row per sample id
     ds = samples.map_batches(not_done, batch_format="pyarrow")
@@ -377,10 +386,7 @@ def extract_to_shards(samples_dir: str | Path, out_dir: str | Path, *, model_dir
     )
     ds = ds.map_batches(WriteHiddenShards, fn_constructor_args=(str(out), meta), batch_size=samples_per_shard,
                         batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0)
-    written = sum(b.num_rows for b in ds.iter_batches(batch_format="pyarrow", batch_size=None))
-    index = build_index(out)
-    return {**{k: v for k, v in index.items() if k != "shards"}, "shards": len(index["shards"]),
-            "resumed_done": len(done), "resumed_quarantined": len(skipped), "written_now": written}
+    return summary(sum(b.num_rows for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)))
 
 
 __all__ = [
