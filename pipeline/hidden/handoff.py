@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
@@ -86,13 +87,15 @@ class Handoff:
             compute=ray.data.ActorPoolStrategy(size=ex.num_actors), **self.resources(),
         )
 
-    def write_shards(self) -> None:
-        """Mode ``shards``: extract every passed sample (held-out ones too) into ``hidden/``; resumable."""
+    def write_shards(self, out_dir: Path | None = None) -> None:
+        """Extract every passed sample (held-out ones too) into shards in ``out_dir`` (default ``hidden/``, mode
+        ``shards``); resumable."""
         from pipeline.hidden.shards import extract_to_shards
 
         ex, lay = self.cfg.extraction, self.layout
-        extract_to_shards(lay.samples, lay.hidden, model_dir=self.cfg.model.path, aux_layer_ids=self.aux_layer_ids,
-                          max_len=ex.max_len, too_long=ex.too_long, batch_tokens=ex.batch_tokens,
+        extract_to_shards(lay.samples, out_dir or lay.hidden, model_dir=self.cfg.model.path,
+                          aux_layer_ids=self.aux_layer_ids, max_len=ex.max_len, too_long=ex.too_long,
+                          batch_tokens=ex.batch_tokens,
                           quarantine_dir=lay.quarantine, samples_per_shard=ex.samples_per_shard,
                           rows_per_call=ex.rows_per_call, dtype=ex.shard_dtype, num_actors=ex.num_actors,
                           num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=self.extractor_kwargs(),

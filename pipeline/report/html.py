@@ -34,7 +34,7 @@ log = logging.getLogger("pipeline")
 FIGURE_IDS = ("fig-quarantine-reasons", "fig-samples-per-source", "fig-throughput", "fig-throughput-cumulative",
               "fig-throughput-tokens",
               "fig-billing", "fig-seconds", "fig-train-loss", "fig-train-acc", "fig-train-lr", "fig-train-tps",
-              "fig-heldout", "fig-heldout-datasets")
+              "fig-heldout", "fig-heldout-datasets", "fig-value-curves")
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
            "#bab0ac")
 MAX_LINE_POINTS = 400
@@ -442,6 +442,43 @@ def heldout_datasets_figure(report: dict[str, Any]) -> str:
                      x_label="dataset of the held-out samples (simulated greedy verification)")
 
 
+def value_figure(value: dict[str, Any] | None) -> str:
+    """Each cut dataset's points (held-out acceptance on the serving mix against the dollars of its training
+    samples in that drafter, the others whole) and, dashed, the curve fitted through them (value.json carries
+    it drawn: ``fit_line``)."""
+    fig_id, title = "fig-value-curves", "What each dataset's samples bought"
+    per = (value or {}).get("datasets") or {}
+    series, dashed = [], []
+    for name, d in per.items():
+        pts = [(float(p["usd"]), float(p["acceptance"])) for p in d.get("points") or []]
+        if not pts:
+            continue
+        series.append((f"{name}", pts))
+        line = [(float(x), float(y)) for x, y in d.get("fit_line") or []]
+        if line:
+            series.append((f"{name} fit", line))
+            dashed.append(f"{name} fit")
+    if not series:
+        return empty_figure(fig_id, title, "no value curves yet: `python -m pipeline value CONFIG` measures them",
+                            w=WIDE)
+    sub = (f"{value.get('steps')} steps per drafter; held-out acceptance on the mix "
+           + ", ".join(f"{k} {v:.0%}" for k, v in (value.get("mix") or {}).items()))
+    return line_chart(fig_id, title, series, x_label="dollars of the dataset's training samples",
+                      y_label="acceptance length", w=WIDE, dashed=dashed, subtitle=sub, x_min=0.0)
+
+
+def _plan_table(plan: dict[str, Any] | None) -> str:
+    """The latest plan: dollars per dataset, what each is predicted to gain, beside an even split."""
+    if not plan or not isinstance(plan.get("datasets"), list):
+        return ""
+    lines = [str(x) for x in plan.get("lines") or []] or [""]
+    rows = [[r.get("dataset"), r.get("add_usd"), r.get("add_samples"), r.get("usd_per_sample"), r.get("gain"),
+             r.get("room"), "yes" if r.get("extrapolated") else ""] for r in plan["datasets"]]
+    return (f"<p>{escape(lines[0].removeprefix('[plan] '))}</p>"
+            + _table(["dataset", "add $", "samples", "$ per sample", "predicted gain", "prompts left",
+                      "extrapolated"], rows))
+
+
 # ----------------------------------------------------------------------------- tables and page
 
 
@@ -570,8 +607,10 @@ CSS = (
 
 
 def render_report_html(report: dict[str, Any], metrics_rows: list[dict[str, Any]] | None = None, *,
-                       title: str = "Run report", subtitle: str = "") -> str:
-    """The whole page as one string (pure: from the report dict and the drafter's metrics.jsonl rows)."""
+                       title: str = "Run report", subtitle: str = "", value: dict[str, Any] | None = None,
+                       plan: dict[str, Any] | None = None) -> str:
+    """The whole page as one string (pure: from the report dict, the drafter's metrics.jsonl rows, and the
+    value curves and plan where ``python -m pipeline value`` / ``plan`` made them)."""
     rows = metrics_rows or []
     return (
         "<!DOCTYPE html><html lang=en><head><meta charset='utf-8'>"
@@ -586,6 +625,7 @@ def render_report_html(report: dict[str, Any], metrics_rows: list[dict[str, Any]
         + "<h2>Drafter training</h2><div class=grid2>" + training_figures(rows) + "</div>"
         + "<h2>Held-out acceptance</h2><div class=grid2>" + heldout_figure(report)
         + heldout_datasets_figure(report) + "</div>" + _training_table(report)
+        + "<h2>What the next dollar buys</h2>" + value_figure(value) + _plan_table(plan)
         + "</body></html>\n"
     )
 
@@ -607,10 +647,26 @@ def read_metrics_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def refresh_report_html(layout: RunLayout) -> Path | None:
+    """Redraw ``report.html`` from the folder's report.json (after ``value`` or ``plan`` wrote theirs), if the
+    run wrote one."""
+    report = _read_json(layout.report)
+    return write_report_html(layout, report) if report is not None else None
+
+
 def write_report_html(layout: RunLayout, report: dict[str, Any]) -> Path | None:
     """Write ``report.html`` beside ``report.json``. Never raises: a failure is logged and the run goes on."""
     try:
-        page = render_report_html(report, read_metrics_rows(layout.metrics), subtitle=str(layout.root.resolve()))
+        page = render_report_html(report, read_metrics_rows(layout.metrics), subtitle=str(layout.root.resolve()),
+                                  value=_read_json(layout.value_report), plan=_read_json(layout.plan))
         atomic_write(layout.report_html, page)
         return layout.report_html
     except Exception:  # noqa: BLE001 - a figure must never fail a run

@@ -134,6 +134,74 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _numbers(text: str, kind: type) -> tuple:
+    try:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, not {text!r}") from None
+
+
+def _mix(items: list[str]) -> dict[str, float] | str:
+    out = {}
+    for item in items:
+        name, eq, weight = item.partition("=")
+        try:
+            out[name] = float(weight) if eq and name else float("nan")
+        except ValueError:
+            out[name] = float("nan")
+        if out[name] != out[name]:
+            return f"--mix takes dataset=weight, not {item!r}"
+    return out
+
+
+def _value(args: argparse.Namespace) -> int:
+    from pipeline.base.console import Console
+    from pipeline.run.value import ValueOptions, run_value
+
+    cfg = _load(args)
+    if cfg is None:
+        return EXIT_REFUSED
+    fractions = args.fractions
+    if any(not 0 <= f < 1 for f in fractions):
+        print(f"config error: --fractions must lie in [0, 1), not {list(fractions)}", file=sys.stderr)
+        return EXIT_REFUSED
+    if args.steps is not None and args.steps < 1:
+        print(f"config error: --steps must be at least 1, not {args.steps}", file=sys.stderr)
+        return EXIT_REFUSED
+    opts = ValueOptions(datasets=tuple(x for x in args.datasets.split(",") if x), fractions=fractions,
+                        seeds=args.seeds, steps=args.steps)
+    refusals = _refusals()
+    try:
+        run_value(cfg, opts, Console.for_cli(verbose=args.verbose, title=f"value {args.config}"))
+    except tuple(refusals) as e:
+        word = next(w for cls, w in refusals.items() if isinstance(e, cls))
+        print(f"{word}: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    return EXIT_DONE
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pipeline.run.plan import run_plan
+    from pipeline.value.plan import PlanRefused
+
+    cfg = _load(args, check_paths=False)
+    if cfg is None:
+        return EXIT_REFUSED
+    mix = _mix(args.mix)
+    if isinstance(mix, str):
+        print(f"plan refused: {mix}", file=sys.stderr)
+        return EXIT_REFUSED
+    from pipeline.base.config import ConfigError
+
+    try:
+        _, lines = run_plan(cfg, args.budget_usd, mix or None)
+    except (PlanRefused, ConfigError) as e:
+        print(f"plan refused: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    print("\n".join(lines))
+    return EXIT_DONE
+
+
 def _build_tiny(args: argparse.Namespace) -> int:
     from pipeline.demo.tiny_model import build_tiny_target, weights_digest
 
@@ -171,6 +239,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", help="override output_dir from the config")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(fn=_status)
+    p = sub.add_parser("value", help="train short drafters on cuts of each dataset: what its samples bought "
+                                     "(value/value.json)")
+    p.add_argument("config")
+    p.add_argument("--output-dir", help="override output_dir from the config")
+    p.add_argument("--datasets", default="", help="comma-separated datasets to cut (default: every dataset with "
+                                                  "samples; the others stay whole in every drafter)")
+    p.add_argument("--fractions", type=lambda t: _numbers(t, float), default=(0.0, 0.25, 0.5),
+                   help="the fractions each dataset is cut to, the others whole (default 0,0.25,0.5; 1 is the "
+                        "full drafter, always trained)")
+    p.add_argument("--seeds", type=lambda t: _numbers(t, int), default=(0,), help="seeds per arm (default 0)")
+    p.add_argument("--steps", type=int, help="steps of every drafter (default: the training config's)")
+    p.add_argument("--verbose", action="store_true", help="also print every log on the console")
+    p.set_defaults(fn=_value)
+    p = sub.add_parser("plan", help="per-dataset budgets for the next spend, from value/value.json")
+    p.add_argument("config")
+    p.add_argument("--output-dir", help="override output_dir from the config")
+    p.add_argument("--budget-usd", type=float, required=True, help="dollars to spend next")
+    p.add_argument("--mix", nargs="*", default=[], metavar="DATASET=WEIGHT",
+                   help="the serving mix to maximise acceptance on (default: the held-out mix)")
+    p.set_defaults(fn=_plan)
     from pipeline.demo.tiny_model import VARIANTS
 
     p = sub.add_parser("build-tiny", help="build the tiny CPU target model folder")

@@ -22,6 +22,7 @@ from typing import Any
 from pipeline.base.layout import atomic_write_json
 
 RESULT_FILE = "result.json"
+SETTINGS_FILE = "train.json"  # the arm and training config its checkpoints were made with
 DEFAULT_FRACTIONS = (0.0, 0.25, 0.5)
 
 
@@ -65,6 +66,15 @@ def value_arms(datasets: Sequence[str], fractions: Sequence[float] = DEFAULT_FRA
     return out
 
 
+def arm_trains(arm: Arm, sample_id: str, datasets: Mapping[str, str], heldout_fraction: float) -> bool:
+    """Whether the arm trains on this sample: a passed one (``datasets``: sample id -> dataset), not held out,
+    and within the arm's fraction of its dataset."""
+    from training.heldout import is_held_out
+
+    return (sample_id in datasets and not is_held_out(sample_id, heldout_fraction)
+            and arm.keeps(sample_id, datasets[sample_id]))
+
+
 def arm_spend(arm: Arm, samples: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
     """Per dataset, the training samples the arm keeps and what they cost (``usd``, ``tokens``): the spend axis
     of the curves. ``samples``: the training samples (held-out ones excepted), each with ``sample_id``,
@@ -79,16 +89,57 @@ def arm_spend(arm: Arm, samples: Sequence[Mapping[str, Any]]) -> dict[str, dict[
     return out
 
 
-def read_result(arm_dir: Path, arm: Arm, steps: int) -> dict[str, Any] | None:
-    """An arm's finished result, if one was written for the same arm and steps (else it is trained again)."""
-    path = arm_dir / RESULT_FILE
+def arm_settings(arm: Arm, train_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What an arm's drafter is made with: the arm, and the training config at the arm's seed."""
+    from training.config import DraftTrainConfig
+
+    cfg = DraftTrainConfig.model_validate(dict(train_cfg)).model_copy(update={"seed": arm.seed})
+    return {"arm": arm.to_dict(), "train": cfg.model_dump(mode="json")}
+
+
+def read_result(arm_dir: Path, settings: Mapping[str, Any]) -> dict[str, Any] | None:
+    """An arm's finished result, if it was made with the same ``settings`` (else it is trained again)."""
     try:
-        res = json.loads(path.read_text())
+        res = json.loads((arm_dir / RESULT_FILE).read_text())
+        same = json.loads((arm_dir / SETTINGS_FILE).read_text()) == settings
     except (OSError, ValueError):
         return None
-    if not isinstance(res, dict) or res.get("arm") != arm.to_dict() or res.get("steps") != steps:
+    if not same or not isinstance(res, dict) or res.get("arm") != settings.get("arm"):
         return None
     return res
+
+
+def fresh_arm_dir(out: Path, settings: Mapping[str, Any]) -> None:
+    """Keep ``out``'s checkpoints, vocabulary and metrics only if they were made with the same ``settings``
+    (the arm and its training config): a changed budget or config starts that arm again from nothing."""
+    import shutil
+
+    path = out / SETTINGS_FILE
+    try:
+        same = json.loads(path.read_text()) == settings
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if not same:
+        atomic_write_json(path, settings)
+
+
+def last_metrics(path: Path) -> dict[str, Any]:
+    """The last line of a metrics.jsonl (the step the training ended at), or {} when there is none."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            return row
+    return {}
 
 
 def _rows(hidden_dir: str, keep: Any) -> Iterator[dict[str, Any]]:
@@ -115,15 +166,16 @@ def train_arm(arm: Arm, *, train_cfg: dict[str, Any], target_dir: str, hidden_di
     from training.vocab import build_vocab_mapping
 
     t0 = time.perf_counter()
-    cfg = DraftTrainConfig.model_validate(train_cfg).model_copy(update={"seed": arm.seed})
+    settings = arm_settings(arm, train_cfg)
+    cfg = DraftTrainConfig.model_validate(settings["train"])
     out = Path(arm_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    fresh_arm_dir(out, settings)
     if not cfg.use_gpu:
         torch.set_num_threads(max(1, int(cfg.resources_per_worker.get("CPU", 1))))
     device = "cuda" if cfg.use_gpu and torch.cuda.is_available() else "cpu"
 
     def trains(sid: str) -> bool:
-        return sid in datasets and not is_held_out(sid, heldout_fraction) and arm.keeps(sid, datasets[sid])
+        return arm_trains(arm, sid, datasets, heldout_fraction)
 
     target_cfg = read_target_config(target_dir)
     vocab_path = out / "vocab.safetensors"
@@ -133,8 +185,8 @@ def train_arm(arm: Arm, *, train_cfg: dict[str, Any], target_dir: str, hidden_di
         vocab = build_vocab_mapping(_rows(hidden_dir, trains), target_cfg["vocab_size"], cfg.draft_vocab_size)
         save_vocab(vocab, vocab_path)
     latest = LocalCheckpoints(out / "checkpoints", cfg.keep_checkpoints).latest()
-    drafter, metrics = train_loop(cfg, target_dir, out, lambda epoch: _rows(hidden_dir, trains), vocab,
-                                  resume_from=latest, device=device)
+    drafter, _ = train_loop(cfg, target_dir, out, lambda epoch: _rows(hidden_dir, trains), vocab,
+                            resume_from=latest, device=device)
     export_dir = export_draft(drafter.cpu(), out / "export", target_config=target_cfg)
     held = []
     for r in _rows(hidden_dir, lambda sid: is_held_out(sid, heldout_fraction)):
@@ -142,7 +194,9 @@ def train_arm(arm: Arm, *, train_cfg: dict[str, Any], target_dir: str, hidden_di
         if len(held) >= heldout_max:
             break
     heldout = heldout_acceptance(export_dir, target_dir, held, cfg.eval_k, labels)
-    result = {"arm": arm.to_dict(), "steps": cfg.steps, "heldout": heldout,
-              "final_loss": metrics.get("loss"), "seconds": round(time.perf_counter() - t0, 1)}
+    final = last_metrics(out / "metrics.jsonl")  # a resumed arm's train_loop saw only its own last steps
+    result = {"arm": arm.to_dict(), "steps": cfg.steps, "heldout": heldout, "final_loss": final.get("loss"),
+              "final_acc": {k: v for k, v in final.items() if k.startswith("acc_")},
+              "seconds": round(time.perf_counter() - t0, 1)}
     atomic_write_json(out / RESULT_FILE, result)
     return result

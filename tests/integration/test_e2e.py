@@ -196,3 +196,75 @@ def test_the_run_publishes_report_html_and_tensorboard_events(tiny_run):
     got = read_scalars(out / "drafter" / "tensorboard")
     assert [step for step, _ in got["loss/total"]] == list(range(1, 13))
     assert got["data/samples_per_source/vllm-cpu"] == [(12, float(report["sources"]["vllm-cpu"]["served"]))]
+
+
+def test_value_curves_and_a_plan_from_the_finished_run(tiny_run, tmp_path, capsys):
+    """`value` on the finished folder: the full drafter and chat and tools each cut to 0 and 50%, trained and
+    measured for real (its streamed states extracted once into value/hidden/), resumed without training again;
+    then `plan` from the CLI: a budget below one sample's price is refused with one line, and a real one writes
+    whole samples' dollars and a config fragment within the prompts left."""
+    import yaml
+
+    from pipeline.run.cli import main
+    from pipeline.run.value import ValueOptions, run_value
+    from pipeline.value.arms import Arm
+
+    cfg, out, _ = tiny_run
+    vcfg = cfg.model_copy(deep=True)
+    vcfg.sources[0].gpu_hour_usd = 3.0  # the engine's time, priced: what the plan buys samples with
+    vcfg.training.heldout_fraction = 0.3  # a held-out figure for most datasets (the value arms' own split)
+    opts = ValueOptions(datasets=("chat", "tools"), fractions=(0.0, 0.5), steps=4)
+    value = run_value(vcfg, opts)
+    arms = [r["arm"]["name"] for r in value["arms"]]
+    assert arms == ["full.seed0", "chat@0.seed0", "chat@0.5.seed0", "tools@0.seed0", "tools@0.5.seed0"]
+    assert (out / "value" / "hidden" / "index.json").is_file()  # the run streamed: extracted once, here
+    full, no_chat = value["arms"][0], value["arms"][1]
+    assert no_chat["spend"]["chat"]["samples"] == 0 and no_chat["spend"]["code"] == full["spend"]["code"]
+    assert full["train_samples"] == sum(d["samples"] for d in full["spend"].values()) > no_chat["train_samples"]
+    assert all(r["heldout"]["samples"] > 0 and r["steps"] == 4 for r in value["arms"])
+    for name in ("chat", "tools"):
+        d = value["datasets"][name]
+        assert d["usd_per_sample"] > 0 and d["spent_usd"] == pytest.approx(full["spend"][name]["usd"], rel=1e-6)
+        assert [p["fraction"] for p in d["points"]] == [0.0, 0.5, 1.0]
+        assert d["points"][0]["usd"] == 0 and d["points"][-1]["usd"] == pytest.approx(d["spent_usd"], rel=1e-6)
+    assert json.loads((out / "value" / "value.json").read_text())["arms"] == value["arms"]
+    results = out / "value" / Arm("chat", 0.0, 0).name / "result.json"
+    mtime = results.stat().st_mtime_ns
+    again = run_value(vcfg, opts)  # every arm has its result: nothing is trained again
+    assert results.stat().st_mtime_ns == mtime and again["arms"] == value["arms"]
+
+    raw = yaml.safe_load((Path(__file__).parents[2] / "configs" / "tiny_formats.yaml").read_text())
+    raw |= {"output_dir": str(out), "model": {"profile": "deepseek", "path": cfg.model.path}}
+    raw["datasets"] = [{**d, "path": str(Path(__file__).parents[2] / d["path"])} for d in raw["datasets"]]
+    chat = tmp_path / "chat.jsonl"  # the user added 10 prompts to chat's file since: the plan's room
+    lines = Path(raw["datasets"][0]["path"]).read_text().splitlines()
+    more = [json.loads(ln) for ln in lines[:10]]
+    for row in more:
+        row["messages"][-1]["content"] += " Answer once more, briefly."
+    chat.write_text("\n".join(lines + [json.dumps(r) for r in more]) + "\n")
+    raw["datasets"][0]["path"] = str(chat)
+    raw["sources"][0]["gpu_hour_usd"] = 3.0
+    raw["training"]["heldout_fraction"] = 0.3
+    path = tmp_path / "value.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    price = min(d["usd_per_sample"] for d in value["datasets"].values())
+    capsys.readouterr()
+    assert main(["plan", str(path), "--budget-usd", f"{price / 2:.3g}"]) == 2
+    refused = capsys.readouterr().err.strip().splitlines()
+    assert len(refused) == 1 and refused[0].startswith("plan refused: a budget of $") and "buys no sample" in refused[0]
+    assert main(["plan", str(path), "--budget-usd", f"{price * 20:.6g}"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("[plan] $")
+    plan = json.loads((out / "value" / "plan.json").read_text())
+    assert plan["planned_usd"] + plan["unspent_usd"] == pytest.approx(price * 20, rel=1e-4)
+    for row in plan["datasets"]:
+        assert row["add_usd"] == pytest.approx(row["add_samples"] * row["usd_per_sample"], rel=1e-6)
+    rows = {d["name"]: sum(1 for ln in Path(d["path"]).read_text().splitlines() if ln.strip()) for d in raw["datasets"]}
+    assert {r["dataset"]: r["room"] for r in plan["datasets"]} == {"chat": 10, "tools": 0}
+    assert all(r["add_samples"] == 0 for r in plan["datasets"] if r["dataset"] == "tools")
+    for d in plan["fragment"]["datasets"]:
+        assert d["name"] == "chat" and 20 < d["max_rows"] <= rows["chat"] == 30
+    page = (out / "report.html").read_text()  # redrawn by value and plan: the curves and the plan
+    assert 'data-series="chat"' in page and 'data-series="tools"' in page and plan["lines"][0][7:40] in page
+    assert main(["plan", str(path), "--budget-usd", "1", "--mix", "nope=1"]) == 2
+    assert "no held-out figures for nope" in capsys.readouterr().err

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pipeline.hidden.shards import shard_meta, write_shards
-from pipeline.value.arms import RESULT_FILE, Arm, read_result, train_arm
+from pipeline.value.arms import RESULT_FILE, Arm, arm_settings, fresh_arm_dir, read_result, train_arm
 from tests.helpers.training import TINY_AUX_LAYER_IDS, TINY_TARGET, easy_run, torch_threads
 from training.heldout import is_held_out
 
@@ -36,6 +36,11 @@ def test_one_arm_trains_exports_and_measures_each_dataset(tmp_path):
     metrics = [json.loads(ln) for ln in (tmp_path / arm.name / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert json.loads((tmp_path / arm.name / RESULT_FILE).read_text()) == res
-    assert read_result(tmp_path / arm.name, arm, steps=4) == res
-    assert read_result(tmp_path / arm.name, arm, steps=5) is None  # another budget: trained again
-    assert read_result(tmp_path / arm.name, Arm("a", 0.25, seed=1), steps=4) is None
+    settings = arm_settings(arm, kwargs["train_cfg"])
+    assert read_result(tmp_path / arm.name, settings) == res
+    assert res["final_loss"] == metrics[-1]["loss"] and set(res["final_acc"]) == {"acc_0", "acc_1", "acc_2"}
+    # another budget or another arm: trained again, from nothing
+    assert read_result(tmp_path / arm.name, arm_settings(arm, {**kwargs["train_cfg"], "steps": 5})) is None
+    assert read_result(tmp_path / arm.name, arm_settings(Arm("a", 0.25, seed=1), kwargs["train_cfg"])) is None
+    fresh_arm_dir(tmp_path / arm.name, arm_settings(arm, {**kwargs["train_cfg"], "steps": 5}))
+    assert not (tmp_path / arm.name / "checkpoints").exists() and not (tmp_path / arm.name / RESULT_FILE).exists()

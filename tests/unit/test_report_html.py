@@ -64,6 +64,14 @@ def full_report() -> dict:
     }
 
 
+# value.json as `python -m pipeline value` writes it (the fields report.html reads)
+VALUE = {"steps": 40, "mix": {"chat": 0.6, "code": 0.4}, "datasets": {
+    "chat": {"points": [{"usd": 0.0, "acceptance": 1.8}, {"usd": 0.5, "acceptance": 2.2},
+                        {"usd": 1.0, "acceptance": 2.3}],
+             "fit_line": [[0.0, 1.8], [0.5, 2.18], [1.0, 2.31]]},
+    "code": {"points": [{"usd": 0.0, "acceptance": 2.0}, {"usd": 2.0, "acceptance": 2.3}], "fit_line": []}}}
+
+
 def svgs(page: str) -> dict[str, ET.Element]:
     """Every figure of the page by id, each parsed as XML (so each is well-formed on its own)."""
     out = {}
@@ -222,6 +230,8 @@ def test_chromium_lays_out_every_figure(tmp_path):
     layout = RunLayout(tmp_path)
     layout.drafter.mkdir()
     layout.metrics.write_text("".join(json.dumps(r) + "\n" for r in metrics_rows()))
+    layout.value.mkdir()
+    layout.value_report.write_text(json.dumps(VALUE))
     assert write_report_html(layout, full_report())
     page = layout.report_html.read_text()
     probe = tmp_path / "probe.html"
@@ -246,3 +256,19 @@ def test_chromium_lays_out_every_figure(tmp_path):
     shot = tmp_path / "report.png"
     res = run_chromium(tmp_path, "--window-size=1050,3800", f"--screenshot={shot}", layout.report_html.as_uri())
     assert res.returncode == 0 and shot.stat().st_size > 20_000, res.stderr[-2000:]
+
+
+def test_value_curves_and_the_plan_have_their_section():
+    """The value curves figure says how to make it until value.json exists; then it draws each dataset's points
+    and its fit line as value.json carries them, and the plan's first line and rows follow it."""
+    empty = svgs(render_report_html(full_report(), []))["fig-value-curves"]
+    assert "python -m pipeline value" in ET.tostring(empty, encoding="unicode")
+    plan = {"datasets": [{"dataset": "chat", "add_usd": 1.5, "add_samples": 30, "usd_per_sample": 0.05,
+                          "gain": 0.12, "room": 100, "extrapolated": False}],
+            "lines": ["[plan] $1.5 more: predicted mix acceptance 2.300 -> 2.420 (+0.120 ± 0.040)"]}
+    page = render_report_html(full_report(), [], value=VALUE, plan=plan)
+    fig = svgs(page)["fig-value-curves"]
+    drawn = {p.get("data-series"): p.get("points").split() for p in fig.iter(f"{NS}polyline")}
+    assert set(drawn) == {"chat", "chat fit", "code"} and len(drawn["chat fit"]) == 3
+    assert "chat 60%" in ET.tostring(fig, encoding="unicode")
+    assert "$1.5 more: predicted mix acceptance 2.300 -&gt; 2.420" in page and "<td>30</td>" in page

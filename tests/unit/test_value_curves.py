@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.value.arms import Arm, arm_spend, value_arms, value_score
+from pipeline.value.arms import Arm, arm_spend, arm_trains, last_metrics, value_arms, value_score
 from pipeline.value.curves import Curve, curve_draws, fit_curve, mean_sd
 from pipeline.value.points import dataset_curves, dataset_points, heldout_mix, mix_figure, normalise_mix
 
@@ -106,6 +106,27 @@ def test_arm_spend_counts_only_the_kept_samples():
     assert cut["b"] == full["b"] and 70 < cut["a"]["samples"] < 130
     assert cut["a"]["usd"] == pytest.approx(cut["a"]["samples"] * 0.01)
     assert arm_spend(Arm("a", 0.0, 0), samples)["a"]["samples"] == 0
+
+
+def test_an_arm_trains_on_its_fraction_never_on_held_out_or_unknown_samples():
+    from training.heldout import is_held_out
+
+    datasets = {f"s{i}": "a" if i % 2 else "b" for i in range(1000)}
+    held = {s for s in datasets if is_held_out(s, 0.1)}
+    without_a = {s for s in datasets if arm_trains(Arm("a", 0.0, 0), s, datasets, 0.1)}
+    assert without_a == {s for s, d in datasets.items() if d == "b"} - held
+    full = {s for s in datasets if arm_trains(Arm(None, 1.0, 0), s, datasets, 0.1)}
+    assert full == set(datasets) - held and 50 < len(held) < 150
+    half_a = {s for s in datasets if arm_trains(Arm("a", 0.5, 0), s, datasets, 0.1)}
+    assert without_a < half_a < full
+    assert not arm_trains(Arm(None, 1.0, 0), "not-a-passed-sample", datasets, 0.1)
+
+
+def test_last_metrics_reads_the_last_whole_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert last_metrics(path) == {}
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')  # cut by a kill
+    assert last_metrics(path) == {"step": 2, "loss": 1.5}
 
 
 def _group(name: str, acc: float, se: float | None, drafts: int) -> dict:
