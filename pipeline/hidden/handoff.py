@@ -87,18 +87,19 @@ class Handoff:
             compute=ray.data.ActorPoolStrategy(size=ex.num_actors), **self.resources(),
         )
 
-    def write_shards(self, out_dir: Path | None = None) -> None:
+    def write_shards(self, out_dir: Path | None = None, stats_dir: Path | None = None) -> None:
         """Extract every passed sample (held-out ones too) into shards in ``out_dir`` (default ``hidden/``, mode
-        ``shards``); resumable."""
+        ``shards``), its statistics into ``stats_dir`` (default the run's); resumable."""
         from pipeline.hidden.shards import extract_to_shards
 
         ex, lay = self.cfg.extraction, self.layout
+        kwargs = self.extractor_kwargs() | ({"stats_dir": str(stats_dir)} if stats_dir else {})
         extract_to_shards(lay.samples, out_dir or lay.hidden, model_dir=self.cfg.model.path,
                           aux_layer_ids=self.aux_layer_ids, max_len=ex.max_len, too_long=ex.too_long,
                           batch_tokens=ex.batch_tokens,
                           quarantine_dir=lay.quarantine, samples_per_shard=ex.samples_per_shard,
                           rows_per_call=ex.rows_per_call, dtype=ex.shard_dtype, num_actors=ex.num_actors,
-                          num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=self.extractor_kwargs(),
+                          num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=kwargs,
                           ray_resources=self.resources())
 
 

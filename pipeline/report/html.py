@@ -443,6 +443,16 @@ def heldout_datasets_figure(report: dict[str, Any]) -> str:
 
 
 def value_figure(value: dict[str, Any] | None) -> str:
+    """See ``_value_figure``; a value.json of another shape is said in the figure, never raised."""
+    try:
+        return _value_figure(value)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return empty_figure("fig-value-curves", "What each dataset's samples bought",
+                            f"value/value.json not drawn ({type(e).__name__}): run `python -m pipeline value` again",
+                            w=WIDE)
+
+
+def _value_figure(value: dict[str, Any] | None) -> str:
     """Each cut dataset's points (held-out acceptance on the serving mix against the dollars of its training
     samples in that drafter, the others whole) and, dashed, the curve fitted through them (value.json carries
     it drawn: ``fit_line``)."""
@@ -468,14 +478,22 @@ def value_figure(value: dict[str, Any] | None) -> str:
 
 
 def _plan_table(plan: dict[str, Any] | None) -> str:
-    """The latest plan: dollars per dataset, what each is predicted to gain, beside an even split."""
+    """The latest plan: dollars per dataset, what each is predicted to gain, beside an even split (a plan.json
+    of another shape is left out, with a line)."""
     if not plan or not isinstance(plan.get("datasets"), list):
         return ""
+    try:
+        return _plan_rows(plan)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return f"<p class=muted>value/plan.json not shown ({escape(type(e).__name__)}): run `plan` again</p>"
+
+
+def _plan_rows(plan: dict[str, Any]) -> str:
     lines = [str(x) for x in plan.get("lines") or []] or [""]
     rows = [[r.get("dataset"), r.get("add_usd"), r.get("add_samples"), r.get("usd_per_sample"), r.get("gain"),
              r.get("room"), "yes" if r.get("extrapolated") else ""] for r in plan["datasets"]]
     return (f"<p>{escape(lines[0].removeprefix('[plan] '))}</p>"
-            + _table(["dataset", "add $", "samples", "$ per sample", "predicted gain", "prompts left",
+            + _table(["dataset", "add $", "samples", "$ per sample", "predicted gain", "samples left",
                       "extrapolated"], rows))
 
 

@@ -162,8 +162,12 @@ def _value(args: argparse.Namespace) -> int:
     if cfg is None:
         return EXIT_REFUSED
     fractions = args.fractions
-    if any(not 0 <= f < 1 for f in fractions):
-        print(f"config error: --fractions must lie in [0, 1), not {list(fractions)}", file=sys.stderr)
+    if not fractions or any(not 0 <= f < 1 for f in fractions):
+        print(f"config error: --fractions takes one or more fractions in [0, 1), not {list(fractions)}",
+              file=sys.stderr)
+        return EXIT_REFUSED
+    if not args.seeds:
+        print("config error: --seeds takes one or more seeds", file=sys.stderr)
         return EXIT_REFUSED
     if args.steps is not None and args.steps < 1:
         print(f"config error: --steps must be at least 1, not {args.steps}", file=sys.stderr)
@@ -172,11 +176,15 @@ def _value(args: argparse.Namespace) -> int:
                         seeds=args.seeds, steps=args.steps)
     refusals = _refusals()
     try:
-        run_value(cfg, opts, Console.for_cli(verbose=args.verbose, title=f"value {args.config}"))
+        out = run_value(cfg, opts, Console.for_cli(verbose=args.verbose, title=f"value {args.config}"))
     except tuple(refusals) as e:
         word = next(w for cls, w in refusals.items() if isinstance(e, cls))
         print(f"{word}: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    if out["failed"]:
+        print(f"{len(out['failed'])} drafters left to train (exit {EXIT_LEFT_TO_DO}); resume with the same command",
+              flush=True)
+        return EXIT_LEFT_TO_DO
     return EXIT_DONE
 
 
@@ -192,10 +200,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"plan refused: {mix}", file=sys.stderr)
         return EXIT_REFUSED
     from pipeline.base.config import ConfigError
+    from pipeline.prompts.datasets import DatasetError
 
     try:
         _, lines = run_plan(cfg, args.budget_usd, mix or None)
-    except (PlanRefused, ConfigError) as e:
+    except (PlanRefused, ConfigError, DatasetError) as e:
         print(f"plan refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
     print("\n".join(lines))
@@ -246,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--datasets", default="", help="comma-separated datasets to cut (default: every dataset with "
                                                   "samples; the others stay whole in every drafter)")
     p.add_argument("--fractions", type=lambda t: _numbers(t, float), default=(0.0, 0.25, 0.5),
-                   help="the fractions each dataset is cut to, the others whole (default 0,0.25,0.5; 1 is the "
-                        "full drafter, always trained)")
+                   help="the fractions each dataset is cut to, each in [0, 1), the others whole (default "
+                        "0,0.25,0.5; the full drafter is always trained too)")
     p.add_argument("--seeds", type=lambda t: _numbers(t, int), default=(0,), help="seeds per arm (default 0)")
     p.add_argument("--steps", type=int, help="steps of every drafter (default: the training config's)")
     p.add_argument("--verbose", action="store_true", help="also print every log on the console")

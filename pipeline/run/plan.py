@@ -2,10 +2,10 @@
 
 It reads ``value/value.json`` (``python -m pipeline value``), refits each dataset's curve on the serving mix
 when one is given (default: the held-out mix the value run used), and hands the curves, each dataset's price
-per sample and the prompts its files still hold to pipeline.value.plan. It writes ``value/plan.json`` with a
-config fragment the user pastes over the same keys of CONFIG: per dataset the ``max_rows`` that reads the
-planned prompts more, and on each API source that served the dataset a ``budgets_usd`` cap of what its samples
-cost so far plus the plan's dollars (a cap that errs low: quarantined answers were billed too).
+per sample and the samples its files' rows left should give to pipeline.value.plan. It writes
+``value/plan.json`` with a config fragment, by entry name: per dataset the ``max_rows`` that reads the planned
+prompts more, and on each API source that served the dataset a ``budgets_usd`` cap of what its ledger counted
+so far plus its share of the plan's dollars.
 """
 
 from __future__ import annotations
@@ -18,69 +18,132 @@ from typing import Any
 
 import yaml
 
-from pipeline.base.config import RunConfig
+from pipeline.base.config import ConfigError, RunConfig
 from pipeline.base.layout import RunLayout, atomic_write_json
 from pipeline.base.records import read_rows, read_samples
 from pipeline.prompts.datasets import count_rows
 from pipeline.report.html import refresh_report_html
-from pipeline.run.value import ValueRefused, sample_costs
+from pipeline.run.value import VALUE_FORMAT, ValueRefused, sample_costs
 from pipeline.value.curves import Curve
 from pipeline.value.plan import Buyable, make_plan, plan_lines
 from pipeline.value.points import by_dataset, dataset_curves, dataset_points, mix_draws, mix_figure, normalise_mix
 
 
 def read_value(layout: RunLayout) -> dict[str, Any]:
-    """value.json, or ``ValueRefused`` naming the command that makes it."""
+    """value.json, or ``ValueRefused`` naming the command that makes it (the shape of its parts is checked
+    where they are read: ``buyables``)."""
+    again = "run `python -m pipeline value` on this config again"
     try:
         value = json.loads(layout.value_report.read_text())
     except OSError:
         raise ValueRefused(f"no value curves in {layout.value_report}: run `python -m pipeline value` on this "
                            "config first") from None
     except ValueError as e:
-        raise ValueRefused(f"{layout.value_report} is not JSON ({e}): run `python -m pipeline value` again") from None
-    if not isinstance(value, dict) or not isinstance(value.get("arms"), list) or \
-            not isinstance(value.get("datasets"), dict):
-        raise ValueRefused(f"{layout.value_report} is not a value report: run `python -m pipeline value` again")
+        raise ValueRefused(f"{layout.value_report} is not JSON ({e}): {again}") from None
+    if not isinstance(value, dict) or value.get("format") != VALUE_FORMAT or \
+            not isinstance(value.get("arms"), list) or not isinstance(value.get("datasets"), dict):
+        raise ValueRefused(f"{layout.value_report} is not a value report of format {VALUE_FORMAT}: {again}")
     return value
 
 
 def room(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, int]]:
-    """Per dataset: rows its file holds (``max_rows`` ignored), rows read so far (passed or quarantined), and
-    how many of those passed."""
-    passed = Counter(r["dataset"] for r in read_samples(layout.samples, ["sample_id", "dataset"])[0])
-    seen: dict[str, set[str]] = {}
+    """Per dataset: rows its file holds (``max_rows`` ignored), rows read so far (passed, or quarantined and
+    never passed), how many passed, and the passed samples the rows left should give at that pass rate."""
+    passed: dict[str, set[str]] = {}
+    for r in read_samples(layout.samples, ["sample_id", "dataset"])[0]:
+        passed.setdefault(r["dataset"], set()).add(r["sample_id"])
+    failed: dict[str, set[str]] = {}
     for r in read_rows(layout.quarantine, ["sample_id", "dataset"]):
-        seen.setdefault(r["dataset"], set()).add(r["sample_id"])
+        if r["sample_id"] not in passed.get(r["dataset"], set()):  # quarantined at extraction: it passed
+            failed.setdefault(r["dataset"], set()).add(r["sample_id"])
     out = {}
     for d in cfg.datasets:
         rows = count_rows(d.model_copy(update={"max_rows": None}))
-        read = passed.get(d.name, 0) + len(seen.get(d.name, ()))
-        out[d.name] = {"rows": rows, "read": min(read, rows), "passed": passed.get(d.name, 0)}
+        p = len(passed.get(d.name, ()))
+        read = min(p + len(failed.get(d.name, ())), rows)
+        rate = p / read if read else 1.0
+        out[d.name] = {"rows": rows, "read": read, "passed": p, "samples_left": math.floor((rows - read) * rate)}
     return out
 
 
-def fragment(cfg: RunConfig, plan: Mapping[str, Any], rooms: Mapping[str, Mapping[str, int]],
+def fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any], rooms: Mapping[str, Mapping[str, int]],
              costs: Mapping[tuple[str, str], float]) -> dict[str, Any]:
-    """The config keys that spend the plan: ``max_rows`` per dataset (the planned samples more, scaled up by
-    the dataset's pass rate so far), ``budgets_usd`` per API source (``costs``: (source, dataset) -> dollars
-    of its samples so far)."""
+    """The config keys that spend the plan, by entry name: ``max_rows`` per dataset (the planned samples more,
+    scaled up by the dataset's pass rate so far), and per API source that served the dataset a ``budgets_usd``
+    cap: what its ledger has counted on it so far plus its share of the plan's dollars (shared by what each
+    source's samples of it cost). ``costs``: (source, dataset) -> dollars of its samples so far."""
+    from pipeline.generate.ledger import read_journal_both
     from pipeline.generate.sources.registry import spending_sources
 
-    datasets, budgets = [], {}
+    datasets: dict[str, dict[str, int]] = {}
+    budgets: dict[str, dict[str, float]] = {}
+    api = spending_sources(cfg.sources)
+    counted = {}
+    for src in api:
+        try:
+            counted[src.name] = read_journal_both(str(layout.ledger(src.name)))[1]
+        except ConfigError:
+            counted[src.name] = {}
     for row in plan["datasets"]:
         name, add = row["dataset"], int(row["add_samples"])
         r = rooms.get(name)
         if add <= 0 or r is None:
             continue
         rate = r["passed"] / r["read"] if r["read"] else 1.0
-        datasets.append({"name": name, "max_rows": min(r["rows"], r["read"] + math.ceil(add / max(rate, 1e-9)))})
-        for src in spending_sources(cfg.sources):
-            if (src.name, name) in costs:
-                budgets.setdefault(src.name, {})[name] = round(costs[src.name, name] + row["add_usd"], 6)
+        datasets[name] = {"max_rows": min(r["rows"], r["read"] + math.ceil(add / max(rate, 1e-9)))}
+        shares = {s.name: costs.get((s.name, name), 0.0) for s in api if (s.name, name) in costs}
+        total = sum(shares.values())
+        for src, c in shares.items():
+            part = row["add_usd"] * (c / total if total else 1 / len(shares))
+            base = max(float(counted[src].get(name, 0.0)), c)
+            budgets.setdefault(src, {})[name] = round(base + part, 6)
     out: dict[str, Any] = {"datasets": datasets}
     if budgets:
-        out["sources"] = [{"name": s, "budgets_usd": b} for s, b in sorted(budgets.items())]
+        out["sources"] = {s: {"budgets_usd": b} for s, b in sorted(budgets.items())}
     return out
+
+
+def buyables(value: Mapping[str, Any], mix: Mapping[str, float] | None,
+             rooms: Mapping[str, Mapping[str, int]]) -> tuple[list[Buyable], dict[str, float], float, dict[str, str]]:
+    """(what can be bought, the mix, the full drafter's acceptance on it, datasets without a curve and why)
+    from value.json; ``ValueRefused`` for a report of another shape or nothing to plan on."""
+    again = "run `python -m pipeline value` on this config again"
+    try:
+        measured = [r for r in value["arms"] if isinstance(r, dict) and isinstance(r.get("heldout"), dict)
+                    and r["heldout"].get("acceptance_length") is not None]
+        known = sorted({name for r in measured for name in by_dataset(r["heldout"])})
+        chosen = dict(value.get("mix") or {})
+        if mix:
+            normal = normalise_mix(mix, known)
+            if isinstance(normal, str):
+                raise ValueRefused(f"--mix: {normal}")
+            chosen = normal
+        full = [f for f in (mix_figure(r["heldout"], chosen) for r in measured if r["arm"]["dataset"] is None) if f]
+        if not full:
+            raise ValueRefused(f"the full drafter has no held-out figure on this mix: {again}")
+        now = sum(f[0] for f in full) / len(full)
+        buys, no_curve = [], {}
+        for name, d in sorted(value["datasets"].items()):
+            points = dataset_points(measured, name, chosen) if mix else list(d["points"])
+            curve = dataset_curves(points)["usd"] if mix else d["curves"]["usd"]
+            if not isinstance(curve, dict):
+                no_curve[name] = str(curve)
+                continue
+            price, spent = float(d["usd_per_sample"]), float(d["spent_usd"])
+            c = Curve.from_dict(curve)
+            if not all(math.isfinite(v) for v in (price, spent, c.a0, c.gain, c.half)):
+                raise ValueError(f"dataset {name}: a number that is not finite")
+            r = rooms.get(name)
+            buys.append(Buyable(name, price, spent, None if r is None else r["samples_left"], c, mix_draws(points)))
+    except ValueRefused:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueRefused(f"value.json does not have the shape this version reads ({type(e).__name__}: {e}): "
+                           f"{again}") from None
+    if not buys:
+        reasons = "; ".join(f"{k}: {v}" for k, v in no_curve.items())
+        raise ValueRefused(f"no dataset has a fitted curve ({reasons or 'no dataset was cut'})")
+    return buys, chosen, now, no_curve
 
 
 def run_plan(cfg: RunConfig, budget_usd: float, mix: Mapping[str, float] | None = None) -> tuple[dict[str, Any],
@@ -89,42 +152,22 @@ def run_plan(cfg: RunConfig, budget_usd: float, mix: Mapping[str, float] | None 
     ``ValueRefused`` when it cannot be made."""
     layout = RunLayout(cfg.output_dir)
     value = read_value(layout)
-    measured = [r for r in value["arms"] if isinstance(r, dict) and r.get("heldout")]
-    known = sorted({name for r in measured for name in by_dataset(r["heldout"])})
-    chosen = value.get("mix") or {}
-    if mix:
-        chosen = normalise_mix(mix, known)
-        if isinstance(chosen, str):
-            raise ValueRefused(f"--mix: {chosen}")
-    full = [f for f in (mix_figure(r["heldout"], chosen) for r in measured if r["arm"]["dataset"] is None) if f]
-    if not full:
-        raise ValueRefused("the full drafter has no held-out figure on this mix: run `python -m pipeline value` again")
-    now = sum(f[0] for f in full) / len(full)
     rooms = room(cfg, layout)
-    buys, no_curve = [], {}
-    for name, d in sorted(value["datasets"].items()):
-        points = dataset_points(measured, name, chosen) if mix else d["points"]
-        curve = dataset_curves(points)["usd"] if mix else d["curves"]["usd"]
-        if not isinstance(curve, dict):
-            no_curve[name] = str(curve)
-            continue
-        r = rooms.get(name)
-        buys.append(Buyable(name, float(d["usd_per_sample"]), float(d["spent_usd"]),
-                            None if r is None else max(r["rows"] - r["read"], 0), Curve.from_dict(curve),
-                            mix_draws(points)))
-    if not buys:
-        reasons = "; ".join(f"{k}: {v}" for k, v in no_curve.items())
-        raise ValueRefused(f"no dataset has a fitted curve ({reasons})")
-    plan = make_plan(buys, budget_usd, 1.0 - float(value["heldout_fraction"]), now)
+    buys, chosen, now, no_curve = buyables(value, mix, rooms)
+    try:
+        train_share = 1.0 - float(value["heldout_fraction"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueRefused("value.json has no held-out fraction: run `python -m pipeline value` again") from None
+    plan = make_plan(buys, budget_usd, train_share, now)
     costs: Counter = Counter()
     for s in sample_costs(layout, cfg):
         costs[s["source"], s["dataset"]] += s["usd"]
-    plan |= {"mix": chosen, "no_curve": no_curve, "fragment": fragment(cfg, plan, rooms, costs)}
+    plan |= {"mix": chosen, "no_curve": no_curve, "fragment": fragment(cfg, layout, plan, rooms, costs)}
     lines = plan_lines(plan) + [f"[plan]   no curve for {k}: {v}" for k, v in no_curve.items()]
+    if plan["fragment"]["datasets"]:
+        lines.append(f"[plan] written to {layout.plan}; set these keys on the config's entries of the same name:")
+        lines += ["    " + ln for ln in yaml.safe_dump(plan["fragment"], sort_keys=False).splitlines()]
     plan["lines"] = lines
     atomic_write_json(layout.plan, plan)
     refresh_report_html(layout)
-    if plan["fragment"]["datasets"]:
-        lines.append(f"[plan] written to {layout.plan}; paste over the same keys of the config:")
-        lines += ["    " + ln for ln in yaml.safe_dump(plan["fragment"], sort_keys=False).splitlines()]
     return plan, lines

@@ -11,6 +11,7 @@ to ``value/value.json``, which ``plan`` reads. Resumable: an arm with a result f
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,11 +24,20 @@ from pipeline.base.records import read_samples
 from pipeline.base.run_lock import RunLock
 from pipeline.report.costs import COST_COLUMNS, engine_prices, sample_usd
 from pipeline.report.html import refresh_report_html
-from pipeline.value.arms import DEFAULT_FRACTIONS, Arm, arm_settings, arm_spend, read_result, value_arms
+from pipeline.value.arms import (
+    DEFAULT_FRACTIONS,
+    Arm,
+    arm_settings,
+    arm_spend,
+    data_digest,
+    read_result,
+    value_arms,
+)
 from pipeline.value.curves import Curve
 from pipeline.value.points import dataset_curves, dataset_points, heldout_mix, mix_figure
 
 VALUE_FORMAT = 1
+log = logging.getLogger("pipeline")
 
 
 class ValueRefused(ConfigError):
@@ -99,14 +109,20 @@ def _value(cfg: RunConfig, layout: RunLayout, opts: ValueOptions, console: Conso
                 f"{duration(time.perf_counter() - t_x)}")
 
     with placement_groups_released(), console.phase(extract_line):
-        Handoff(cfg, layout, aux_ids, tcfg.heldout_fraction).write_shards(hidden)  # resumable: a no-op when done
+        # its own extraction statistics: the run's report sums the ones in OUTPUT/extract_stats/
+        Handoff(cfg, layout, aux_ids, tcfg.heldout_fraction).write_shards(hidden, stats_dir=layout.value / "stats")
     in_shards = completed_sample_ids(hidden)
     samples = [s for s in samples if s["sample_id"] in in_shards]  # an extraction's quarantine trains nothing
     datasets = {s["sample_id"]: s["dataset"] for s in samples}
     training = [s for s in samples if not is_held_out(s["sample_id"], tcfg.heldout_fraction)]
+    held = [s["sample_id"] for s in samples if is_held_out(s["sample_id"], tcfg.heldout_fraction)]
+    if not held:
+        raise ValueRefused(f"none of the {len(samples)} samples is held out at training.heldout_fraction "
+                           f"{tcfg.heldout_fraction:g}: raise it so the drafters can be measured")
     train_cfg = tcfg.model_copy(update={"steps": steps, "aux_layer_ids": list(aux_ids)}).model_dump(mode="json")
     arms = value_arms(names, opts.fractions, opts.seeds)
-    results = train_arms(cfg, layout, arms, train_cfg, str(hidden), datasets, training, console)
+    meta = load_index(hidden).get("meta") or {}
+    results = train_arms(cfg, layout, arms, train_cfg, str(hidden), datasets, training, held, meta, console)
     out = value_report(results, training, steps, opts, tcfg.heldout_fraction)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     atomic_write_json(layout.value_report, out)
@@ -117,11 +133,12 @@ def _value(cfg: RunConfig, layout: RunLayout, opts: ValueOptions, console: Conso
 
 
 def train_arms(cfg: RunConfig, layout: RunLayout, arms: Sequence[Arm], train_cfg: dict[str, Any], hidden: str,
-               datasets: Mapping[str, str], training: Sequence[Mapping[str, Any]],
-               console: Console) -> list[dict[str, Any]]:
-    """Each arm's result, in ``arms`` order: read back where one was made with the same settings, else trained
-    as a Ray task (one drafter per task, the training's resources each). An arm that keeps no training sample
-    is not trained: its result says so and gives no point."""
+               datasets: Mapping[str, str], training: Sequence[Mapping[str, Any]], held: Sequence[str],
+               meta: Mapping[str, Any], console: Console) -> list[dict[str, Any]]:
+    """Each arm's result, in ``arms`` order: read back where one was made with the same settings and data, else
+    trained as a Ray task (one drafter per task, the training's resources each). An arm that keeps no training
+    sample is not trained: its result says so and gives no point. An arm whose task fails is an ``error``
+    result (the others go on; a re-run trains it again from its checkpoints)."""
     import ray
 
     from pipeline.hidden.handoff import sample_labels
@@ -132,14 +149,16 @@ def train_arms(cfg: RunConfig, layout: RunLayout, arms: Sequence[Arm], train_cfg
     for arm in arms:
         spend = arm_spend(arm, training)
         kept = sum(int(v["samples"]) for v in spend.values())
-        res = read_result(layout.value / arm.name, arm_settings(arm, train_cfg))
+        digest = data_digest((str(s["sample_id"]) for s in training
+                              if arm.keeps(str(s["sample_id"]), str(s["dataset"]))), held, meta)
+        res = read_result(layout.value / arm.name, arm_settings(arm, train_cfg, digest))
         if res is not None:
             results[arm.name] = res | {"spend": spend, "train_samples": kept}
         elif not kept:
             results[arm.name] = {"arm": arm.to_dict(), "heldout": None, "skipped": "no training samples",
                                  "spend": spend, "train_samples": 0}
         else:
-            todo.append((arm, spend, kept))
+            todo.append((arm, spend, kept, digest))
     if todo:
         labels = sample_labels(layout, list(datasets))
         refs = {"datasets": ray.put(dict(datasets)), "labels": ray.put(labels)}
@@ -150,8 +169,8 @@ def train_arms(cfg: RunConfig, layout: RunLayout, arms: Sequence[Arm], train_cfg
         pending = {task.remote(arm, train_cfg=train_cfg, target_dir=cfg.model.path, hidden_dir=hidden,
                                arm_dir=str(layout.value / arm.name), datasets=refs["datasets"],
                                labels=refs["labels"], heldout_fraction=train_cfg["heldout_fraction"],
-                               heldout_max=train_cfg["heldout_max_samples"]): (arm, spend, kept)
-                   for arm, spend, kept in todo}
+                               heldout_max=train_cfg["heldout_max_samples"], data=digest): (arm, spend, kept)
+                   for arm, spend, kept, digest in todo}
         t0, done = time.perf_counter(), []
 
         def line(final: bool) -> str:
@@ -163,7 +182,12 @@ def train_arms(cfg: RunConfig, layout: RunLayout, arms: Sequence[Arm], train_cfg
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 arm, spend, kept = pending.pop(ready[0])
-                res = ray.get(ready[0])
+                try:
+                    res = ray.get(ready[0])
+                except (ray.exceptions.RayError, OSError, ValueError, RuntimeError) as e:
+                    log.warning("value drafter %s failed", arm.name, exc_info=True)
+                    res = {"arm": arm.to_dict(), "heldout": None,
+                           "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e) else ''}"}
                 results[arm.name] = res | {"spend": spend, "train_samples": kept}
                 fig = (res.get("heldout") or {}).get("acceptance_length")
                 done.append(f"{arm.name} {fig:.3f}" if isinstance(fig, int | float) else arm.name)
@@ -175,7 +199,7 @@ def value_report(results: Sequence[Mapping[str, Any]], training: Sequence[Mappin
                  ) -> dict[str, Any]:
     """value.json: the arms' results, and per dataset its points and fitted curves on ``mix`` (default: the
     held-out mix) with what its samples cost."""
-    measured = [r for r in results if r.get("heldout")]
+    measured = [r for r in results if (r.get("heldout") or {}).get("acceptance_length") is not None]
     mix = dict(mix) if mix else heldout_mix(measured)
     per: dict[str, dict[str, Any]] = {}
     cut = {str(r["arm"]["dataset"]) for r in results if r["arm"]["dataset"] is not None}
@@ -184,6 +208,9 @@ def value_report(results: Sequence[Mapping[str, Any]], training: Sequence[Mappin
         usd = sum(float(s["usd"]) for s in own)
         points = dataset_points(measured, name, mix)
         curves = dataset_curves(points)
+        if not usd:  # every point at $0: the dollar curve is not a curve
+            curves["usd"] = curves["own_usd"] = ("its samples have no price (an API's bill, or an engine source's "
+                                                 "gpu_hour_usd)")
         per[name] = {"train_samples": len(own), "spent_usd": usd,
                      "tokens": sum(int(s["tokens"]) for s in own), "usd_per_sample": usd / len(own) if own else 0.0,
                      "points": points, "curves": curves, "fit_line": fit_line(curves["usd"], points)}
@@ -193,7 +220,8 @@ def value_report(results: Sequence[Mapping[str, Any]], training: Sequence[Mappin
             "seeds": list(opts.seeds),
             "heldout_fraction": heldout_fraction, "mix": mix,
             "full_acceptance": round(sum(f[0] for f in full) / len(full), 4) if full else None,
-            "datasets": per, "arms": list(results)}
+            "datasets": per, "arms": list(results),
+            "failed": [r["arm"]["name"] for r in results if r.get("error")]}
 
 
 def fit_line(curve: Mapping[str, Any] | str, points: Sequence[Mapping[str, Any]], n: int = 40) -> list[list[float]]:
@@ -222,4 +250,7 @@ def value_lines(report: Mapping[str, Any]) -> list[str]:
         else:
             fit = f"; no curve: {curve}"
         lines.append(f"[value]   {name}: {d['train_samples']} training samples, ${d['spent_usd']:.4g}{without}{fit}")
+    for r in report["arms"]:
+        if r.get("error"):
+            lines.append(f"[value] ! {r['arm']['name']} failed ({r['error']}); a re-run trains it again")
     return lines

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,9 +60,9 @@ def value_arms(datasets: Sequence[str], fractions: Sequence[float] = DEFAULT_FRA
                seeds: Sequence[int] = (0,)) -> list[Arm]:
     """The full arm and, per dataset, one arm per fraction below 1; each for every seed."""
     out = []
-    for seed in seeds:
+    for seed in dict.fromkeys(seeds):  # each once, in the order given
         out.append(Arm(None, 1.0, seed))
-        out += [Arm(d, float(f), seed) for d in datasets for f in sorted(set(fractions)) if f < 1.0]
+        out += [Arm(d, float(f), seed) for d in dict.fromkeys(datasets) for f in sorted(set(fractions)) if f < 1.0]
     return out
 
 
@@ -89,12 +89,38 @@ def arm_spend(arm: Arm, samples: Sequence[Mapping[str, Any]]) -> dict[str, dict[
     return out
 
 
-def arm_settings(arm: Arm, train_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """What an arm's drafter is made with: the arm, and the training config at the arm's seed."""
+# Training fields that do not shape an arm's drafter or its measurement: changing them keeps its result.
+NOT_SHAPING = frozenset({"num_workers", "use_gpu", "resources_per_worker", "checkpoint_every", "keep_checkpoints",
+                         "max_failures", "log_every", "trackers", "wandb_project", "wandb_entity",
+                         "mlflow_tracking_uri", "mlflow_experiment", "tracker_run_name", "materialize",
+                         "served_eval"})
+
+
+def arm_train_config(arm: Arm, train_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The training config an arm trains with: the run's, at the arm's seed, with no tracker (a value run
+    must not add a W&B or MLflow run per arm under the real run's name); metrics.jsonl is always written."""
     from training.config import DraftTrainConfig
 
-    cfg = DraftTrainConfig.model_validate(dict(train_cfg)).model_copy(update={"seed": arm.seed})
-    return {"arm": arm.to_dict(), "train": cfg.model_dump(mode="json")}
+    cfg = DraftTrainConfig.model_validate(dict(train_cfg))
+    return cfg.model_copy(update={"seed": arm.seed, "trackers": []}).model_dump(mode="json")
+
+
+def data_digest(sample_ids: Iterable[str], heldout_ids: Iterable[str], shard_meta: Mapping[str, Any]) -> str:
+    """A digest of what an arm learns from and is measured on: its training samples, the held-out samples,
+    and the hidden states' layout. More samples since (a follow-up run) make a new digest: trained again."""
+    h = hashlib.sha256(json.dumps(dict(shard_meta), sort_keys=True, default=str).encode())
+    for part in (sorted(sample_ids), sorted(heldout_ids)):
+        h.update(b"\x1e")
+        for sid in part:
+            h.update(sid.encode() + b"\x1f")
+    return h.hexdigest()
+
+
+def arm_settings(arm: Arm, train_cfg: Mapping[str, Any], data: str = "") -> dict[str, Any]:
+    """What an arm's result depends on: the arm, the training fields that shape its drafter (at its seed), and
+    the digest of its data (``data_digest``)."""
+    train = {k: v for k, v in arm_train_config(arm, train_cfg).items() if k not in NOT_SHAPING}
+    return {"arm": arm.to_dict(), "train": train, "data": data}
 
 
 def read_result(arm_dir: Path, settings: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -150,9 +176,10 @@ def _rows(hidden_dir: str, keep: Any) -> Iterator[dict[str, Any]]:
 
 def train_arm(arm: Arm, *, train_cfg: dict[str, Any], target_dir: str, hidden_dir: str, arm_dir: str,
               datasets: Mapping[str, str], labels: Mapping[str, Mapping[str, Any]], heldout_fraction: float,
-              heldout_max: int) -> dict[str, Any]:
+              heldout_max: int, data: str = "") -> dict[str, Any]:
     """Train, export and measure one arm; returns (and writes) its result. ``datasets``: sample id -> dataset
-    of every passed sample; ``labels``: dataset and source of each, for the held-out groups."""
+    of every passed sample; ``labels``: dataset and source of each, for the held-out groups; ``data``: the
+    digest of the arm's data (``data_digest``), kept with its settings."""
     import time
 
     import torch
@@ -166,8 +193,8 @@ def train_arm(arm: Arm, *, train_cfg: dict[str, Any], target_dir: str, hidden_di
     from training.vocab import build_vocab_mapping
 
     t0 = time.perf_counter()
-    settings = arm_settings(arm, train_cfg)
-    cfg = DraftTrainConfig.model_validate(settings["train"])
+    settings = arm_settings(arm, train_cfg, data)
+    cfg = DraftTrainConfig.model_validate(arm_train_config(arm, train_cfg))
     out = Path(arm_dir)
     fresh_arm_dir(out, settings)
     if not cfg.use_gpu:

@@ -123,10 +123,14 @@ def _fit(x: Sequence[float], y: Sequence[float], se: Sequence[float | None] | No
 def curve_draws(x: Sequence[float], y: Sequence[float], se: Sequence[float | None], n: int = 200,
                 seed: int = 0) -> list[Curve]:
     """Curves refitted on points redrawn within their standard errors (a parametric bootstrap): the spread
-    of a prediction over these curves is its uncertainty. Draws whose fit fails are left out."""
+    of a prediction over these curves is its uncertainty. Draws whose fit fails are left out; none when no
+    point has an error."""
     rng = np.random.default_rng(seed)
     ys = np.asarray(y, dtype=float)
-    sd = np.array([float(s) if s is not None and math.isfinite(float(s)) else 0.0 for s in se])
+    w, scale = _weights(se, len(ys))
+    if not any(s is not None and math.isfinite(float(s)) and float(s) > 0 for s in se):
+        return []  # no point has an error: no spread to draw from (the plan says its sd is unknown)
+    sd = scale / np.sqrt(w)  # the errors the fit weighs by: a point with none redrawn as the least sure
     out = []
     for _ in range(n):
         fit = fit_curve(x, ys + rng.normal(size=len(ys)) * sd, se)

@@ -48,6 +48,8 @@ def normalise_mix(mix: Mapping[str, float], known: Sequence[str]) -> dict[str, f
 
 def mix_figure(heldout: Mapping[str, Any], mix: Mapping[str, float]) -> tuple[float, float | None] | None:
     """(acceptance on the mix, its standard error) of one arm, or None when a weighted dataset has no figure."""
+    if not mix:
+        return None  # no dataset weighted: no figure (not 0)
     groups = by_dataset(heldout)
     acc, var, known_se = 0.0, 0.0, True
     for name, w in mix.items():

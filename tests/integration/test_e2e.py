@@ -262,8 +262,8 @@ def test_value_curves_and_a_plan_from_the_finished_run(tiny_run, tmp_path, capsy
     rows = {d["name"]: sum(1 for ln in Path(d["path"]).read_text().splitlines() if ln.strip()) for d in raw["datasets"]}
     assert {r["dataset"]: r["room"] for r in plan["datasets"]} == {"chat": 10, "tools": 0}
     assert all(r["add_samples"] == 0 for r in plan["datasets"] if r["dataset"] == "tools")
-    for d in plan["fragment"]["datasets"]:
-        assert d["name"] == "chat" and 20 < d["max_rows"] <= rows["chat"] == 30
+    for name, d in plan["fragment"]["datasets"].items():  # keys to set on the config's entry of that name
+        assert name == "chat" and 20 < d["max_rows"] <= rows["chat"] == 30
     page = (out / "report.html").read_text()  # redrawn by value and plan: the curves and the plan
     assert 'data-series="chat"' in page and 'data-series="tools"' in page and plan["lines"][0][7:40] in page
     assert main(["plan", str(path), "--budget-usd", "1", "--mix", "nope=1"]) == 2

@@ -272,3 +272,11 @@ def test_value_curves_and_the_plan_have_their_section():
     assert set(drawn) == {"chat", "chat fit", "code"} and len(drawn["chat fit"]) == 3
     assert "chat 60%" in ET.tostring(fig, encoding="unicode")
     assert "$1.5 more: predicted mix acceptance 2.300 -&gt; 2.420" in page and "<td>30</td>" in page
+
+
+def test_a_value_or_plan_file_of_another_shape_is_said_not_raised():
+    bad_value = {"steps": 1, "datasets": {"chat": 5}}
+    fig = svgs(render_report_html(full_report(), [], value=bad_value))["fig-value-curves"]
+    assert "not drawn" in ET.tostring(fig, encoding="unicode")
+    page = render_report_html(full_report(), [], plan={"datasets": ["not a row"]})
+    assert "value/plan.json not shown" in page

@@ -8,7 +8,16 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.value.arms import Arm, arm_spend, arm_trains, last_metrics, value_arms, value_score
+from pipeline.value.arms import (
+    Arm,
+    arm_settings,
+    arm_spend,
+    arm_trains,
+    data_digest,
+    last_metrics,
+    value_arms,
+    value_score,
+)
 from pipeline.value.curves import Curve, curve_draws, fit_curve, mean_sd
 from pipeline.value.points import dataset_curves, dataset_points, heldout_mix, mix_figure, normalise_mix
 
@@ -120,6 +129,21 @@ def test_an_arm_trains_on_its_fraction_never_on_held_out_or_unknown_samples():
     half_a = {s for s in datasets if arm_trains(Arm("a", 0.5, 0), s, datasets, 0.1)}
     assert without_a < half_a < full
     assert not arm_trains(Arm(None, 1.0, 0), "not-a-passed-sample", datasets, 0.1)
+
+
+def test_an_arm_is_kept_across_runtime_settings_but_not_across_data_or_budget():
+    arm, cfg = Arm("a", 0.5, 2), {"steps": 40, "resources_per_worker": {"CPU": 1.0}, "trackers": ["tensorboard"]}
+    data = data_digest(["s1", "s2"], ["h1"], {"aux_layer_ids": [1, 2, 3]})
+    same = arm_settings(arm, cfg, data)
+    assert same["train"]["seed"] == 2 and "trackers" not in same["train"]
+    assert arm_settings(arm, {**cfg, "resources_per_worker": {"CPU": 4.0}, "trackers": []}, data) == same
+    assert arm_settings(arm, {**cfg, "steps": 41}, data) != same
+    assert data_digest(["s2", "s1"], ["h1"], {"aux_layer_ids": [1, 2, 3]}) == data  # order does not matter
+    for other in (data_digest(["s1", "s2", "s3"], ["h1"], {"aux_layer_ids": [1, 2, 3]}),
+                  data_digest(["s1", "s2"], ["h1", "h2"], {"aux_layer_ids": [1, 2, 3]}),
+                  data_digest(["s1", "s2"], ["h1"], {"aux_layer_ids": [1, 2]})):
+        assert arm_settings(arm, cfg, other) != same
+    assert [a.name for a in value_arms(["a", "a"], (0.0, 0.0), (0, 0))] == ["full.seed0", "a@0.seed0"]
 
 
 def test_last_metrics_reads_the_last_whole_line(tmp_path):
