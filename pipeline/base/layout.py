@@ -190,3 +190,19 @@ def atomic_write_table(table: pa.Table, path: str | Path) -> None:
     """A parquet file written whole (same temp-fsync-rename rule as ``atomic_write``)."""
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
+
+
+def last_json_line(path: str | Path) -> dict[str, Any] | None:
+    """The last whole JSON object of a JSONL log (its writer may have died mid-line), or None."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    for line in reversed(text.splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            return rec
+    return None

@@ -96,7 +96,7 @@ def fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any], rooms: 
         for src, c in shares.items():
             part = row["add_usd"] * (c / total if total else 1 / len(shares))
             base = max(float(counted[src].get(name, 0.0)), c)
-            budgets.setdefault(src, {})[name] = round(base + part, 6)
+            budgets.setdefault(src, {})[name] = round(base + part, 12)
     out: dict[str, Any] = {"datasets": datasets}
     if budgets:
         out["sources"] = {s: {"budgets_usd": b} for s, b in sorted(budgets.items())}

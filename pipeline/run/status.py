@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.base.config import RunConfig
-from pipeline.base.layout import RunLayout
+from pipeline.base.layout import RunLayout, last_json_line
 from pipeline.base.records import read_rows, read_samples
 from pipeline.prompts.datasets import count_rows
 from pipeline.report.costs import cost_lines, cost_table, engine_prices
@@ -34,22 +34,6 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
         return json.loads(path.read_bytes()), None
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None, f"{path.name} is unreadable ({type(e).__name__}: {e})"
-
-
-def _last_json_line(path: Path) -> dict[str, Any] | None:
-    """The last whole record of a JSONL log (the job may have died mid-line)."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    for ln in reversed(text.splitlines()):
-        try:
-            rec = json.loads(ln)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            return rec
-    return None
 
 
 def dataset_status(cfg: RunConfig, samples: list[dict[str, Any]], quarantine: list[dict[str, Any]]) -> dict:
@@ -118,7 +102,7 @@ def manifest_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
 
 def training_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
     layout = RunLayout(out)
-    last = _last_json_line(layout.metrics) or {}
+    last = last_json_line(layout.metrics) or {}
     report, report_error = _read_json(layout.report)
     if report is not None and not isinstance(report, dict):
         report, report_error = None, f"{layout.report.name} is unreadable (not a JSON object)"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.base.layout import atomic_write_json
+from pipeline.base.layout import atomic_write_json, last_json_line
 
 RESULT_FILE = "result.json"
 SETTINGS_FILE = "train.json"  # the arm and training config its checkpoints were made with
@@ -154,18 +154,7 @@ def fresh_arm_dir(out: Path, settings: Mapping[str, Any]) -> None:
 
 def last_metrics(path: Path) -> dict[str, Any]:
     """The last line of a metrics.jsonl (the step the training ended at), or {} when there is none."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return {}
-    for line in reversed(lines):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            return row
-    return {}
+    return last_json_line(path) or {}
 
 
 def _rows(hidden_dir: str, keep: Any) -> Iterator[dict[str, Any]]:

@@ -116,18 +116,18 @@ def make_plan(buys: Sequence[Buyable], budget_usd: float, train_share: float, no
     for b in priced:
         x = alloc[b.dataset]
         new_train = b.spent_usd + x * train_share
-        rows.append({"dataset": b.dataset, "add_usd": round(x, 6), "add_samples": round(x / b.usd_per_sample),
-                     "usd_per_sample": b.usd_per_sample, "spent_usd": round(b.spent_usd, 6),
+        rows.append({"dataset": b.dataset, "add_usd": round(x, 12), "add_samples": round(x / b.usd_per_sample),
+                     "usd_per_sample": b.usd_per_sample, "spent_usd": round(b.spent_usd, 12),
                      "slope_now": b.curve.slope(b.spent_usd),
                      "gain": round(gain(b.curve, b.spent_usd, x, train_share), 4),
                      "room": b.room, "full": b.room is not None and round(x / b.usd_per_sample) >= b.room,
                      # beyond twice the spend the curve was measured on, or on a curve whose points never bent
                      "extrapolated": x > 0 and (new_train > 2 * max(b.spent_usd, 1e-12) or not b.curve.saturated)})
-    return {"budget_usd": budget_usd, "planned_usd": round(spent, 6), "unspent_usd": round(budget_usd - spent, 6),
+    return {"budget_usd": budget_usd, "planned_usd": round(spent, 12), "unspent_usd": round(budget_usd - spent, 12),
             "train_share": train_share, "now": round(now, 4), "datasets": rows,
             "unpriced": sorted(b.dataset for b in buys if b.usd_per_sample <= 0),
             "predicted": predicted(priced, alloc, train_share),
-            "even_split": {"add_usd": {k: round(v, 6) for k, v in even.items()},
+            "even_split": {"add_usd": {k: round(v, 12) for k, v in even.items()},
                            "predicted": predicted(priced, even, train_share)}}
 
 

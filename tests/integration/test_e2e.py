@@ -199,7 +199,7 @@ def test_the_run_publishes_report_html_and_tensorboard_events(tiny_run):
 
 
 def test_value_curves_and_a_plan_from_the_finished_run(tiny_run, tmp_path, capsys):
-    """`value` on the finished folder: the full drafter and chat and tools each cut to 0 and 50%, trained and
+    """`value` on the finished folder: the full drafter and chat cut to 0 and 50%, trained and
     measured for real (its streamed states extracted once into value/hidden/), resumed without training again;
     then `plan` from the CLI: a budget below one sample's price is refused with one line, and a real one writes
     whole samples' dollars and a config fragment within the prompts left."""
@@ -213,16 +213,17 @@ def test_value_curves_and_a_plan_from_the_finished_run(tiny_run, tmp_path, capsy
     vcfg = cfg.model_copy(deep=True)
     vcfg.sources[0].gpu_hour_usd = 3.0  # the engine's time, priced: what the plan buys samples with
     vcfg.training.heldout_fraction = 0.3  # a held-out figure for most datasets (the value arms' own split)
-    opts = ValueOptions(datasets=("chat", "tools"), fractions=(0.0, 0.5), steps=4)
+    opts = ValueOptions(datasets=("chat",), fractions=(0.0, 0.5), steps=4)
     value = run_value(vcfg, opts)
     arms = [r["arm"]["name"] for r in value["arms"]]
-    assert arms == ["full.seed0", "chat@0.seed0", "chat@0.5.seed0", "tools@0.seed0", "tools@0.5.seed0"]
+    assert arms == ["full.seed0", "chat@0.seed0", "chat@0.5.seed0"]
     assert (out / "value" / "hidden" / "index.json").is_file()  # the run streamed: extracted once, here
     full, no_chat = value["arms"][0], value["arms"][1]
     assert no_chat["spend"]["chat"]["samples"] == 0 and no_chat["spend"]["code"] == full["spend"]["code"]
     assert full["train_samples"] == sum(d["samples"] for d in full["spend"].values()) > no_chat["train_samples"]
     assert all(r["heldout"]["samples"] > 0 and r["steps"] == 4 for r in value["arms"])
-    for name in ("chat", "tools"):
+    assert list(value["datasets"]) == ["chat"]
+    for name in ("chat",):
         d = value["datasets"][name]
         assert d["usd_per_sample"] > 0 and d["spent_usd"] == pytest.approx(full["spend"][name]["usd"], rel=1e-6)
         assert [p["fraction"] for p in d["points"]] == [0.0, 0.5, 1.0]
@@ -260,11 +261,10 @@ def test_value_curves_and_a_plan_from_the_finished_run(tiny_run, tmp_path, capsy
     for row in plan["datasets"]:
         assert row["add_usd"] == pytest.approx(row["add_samples"] * row["usd_per_sample"], rel=1e-6)
     rows = {d["name"]: sum(1 for ln in Path(d["path"]).read_text().splitlines() if ln.strip()) for d in raw["datasets"]}
-    assert {r["dataset"]: r["room"] for r in plan["datasets"]} == {"chat": 10, "tools": 0}
-    assert all(r["add_samples"] == 0 for r in plan["datasets"] if r["dataset"] == "tools")
+    assert {r["dataset"]: r["room"] for r in plan["datasets"]} == {"chat": 10}
     for name, d in plan["fragment"]["datasets"].items():  # keys to set on the config's entry of that name
         assert name == "chat" and 20 < d["max_rows"] <= rows["chat"] == 30
     page = (out / "report.html").read_text()  # redrawn by value and plan: the curves and the plan
-    assert 'data-series="chat"' in page and 'data-series="tools"' in page and plan["lines"][0][7:40] in page
+    assert 'data-series="chat"' in page and 'data-series="chat fit"' in page and plan["lines"][0][7:40] in page
     assert main(["plan", str(path), "--budget-usd", "1", "--mix", "nope=1"]) == 2
     assert "no held-out figures for nope" in capsys.readouterr().err

@@ -52,7 +52,7 @@ def greedy_answers(model, prompts: list[list[int]], eos: int, batch: int = 32) -
 def trained31(reasoning_target, tmp_path_factory):
     """(export dir, held-out prompts, simulated stats, the same with pre-norm feedback)."""
     profile = load_profile("deepseek")
-    train = [profile.render_prompt(r["messages"], None, True).ids for r in prompt_rows(128, seed=1)]
+    train = [profile.render_prompt(r["messages"], None, True).ids for r in prompt_rows(64, seed=1)]
     held = [p for p in (profile.render_prompt(r["messages"], None, True).ids for r in prompt_rows(40, seed=2))
             if p not in train][:16]
     eos = json.loads((reasoning_target / "config.json").read_text())["eos_token_id"]
