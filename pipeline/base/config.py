@@ -50,7 +50,8 @@ class ModelConfig(Strict):
     # check); "wild" writes </think>, end-of-turn and tool markers at random (the checks' hard cases);
     # "trained" is trained on shop arithmetic (peaked like a real model; give it that domain's prompts);
     # "reasoning" on multi-step word problems worked step by step (100-300 token answers: tiny_reasoning.py).
-    tiny_variant: Literal["well-formed", "wild", "trained", "reasoning"] = "well-formed"
+    # "mixed" on both at once (tiny_mixed.py: two datasets whose drafters learn at different rates).
+    tiny_variant: Literal["well-formed", "wild", "trained", "reasoning", "mixed"] = "well-formed"
     # Size of the target's weights in GB (10^9 bytes), for the extraction sizing check made away from the
     # weights (`check --no-paths`); a readable model folder's checkpoint index wins (pipeline.base.sizing).
     weights_gb: float | None = Field(None, gt=0)

@@ -28,6 +28,8 @@ it a useful stand-in for a reasoning model:
 * The ``reasoning`` variant is trained the same way, for about three minutes, on multi-step word
   problems worked step by step in a 100-300 token thinking part (tiny_reasoning.py): long, mostly
   predictable answers with real branch points, where drafters of different quality differ.
+* The ``mixed`` variant is trained on both domains at once (tiny_mixed.py): one target for a run whose
+  datasets' drafters learn at different rates (the value curves' bench).
 
 The same call always writes byte-identical ``model.safetensors`` (the trained variants: with the
 same torch on the same kind of CPU).
@@ -66,8 +68,9 @@ EOS_BIAS = 17.0
 THINK_END_BIAS = 17.5
 TOOL_MARKER_BIAS = 14.5
 
-VARIANTS = ("well-formed", "wild", "trained", "reasoning")
-TRAINED_VARIANTS = {"trained": ("tiny_domain.py",), "reasoning": ("tiny_domain.py", "tiny_reasoning.py")}
+VARIANTS = ("well-formed", "wild", "trained", "reasoning", "mixed")
+TRAINED_VARIANTS = {"trained": ("tiny_domain.py",), "reasoning": ("tiny_domain.py", "tiny_reasoning.py"),
+                    "mixed": ("tiny_domain.py", "tiny_reasoning.py", "tiny_mixed.py")}
 # Well-formed variant: state channels, constant through the layers like the bias channel.
 STATE_CHANNEL = 1  # +value on reasoning tokens and <think>, -value on everything else
 CLOSED_CHANNEL = 2  # +value on </think> only
@@ -236,12 +239,14 @@ def build_tiny_target(out_dir: str | Path, *, variant: str = "well-formed", forc
         from pipeline.demo.tiny_trained import build_weights
 
         weights, report = build_weights(tiny_config(variant))
-    elif variant == "reasoning":
-        from pipeline.demo.tiny_reasoning import conversations
-        from pipeline.demo.tiny_trained import REASONING_BATCH, REASONING_STEPS, build_weights
+    elif variant in ("reasoning", "mixed"):
+        from pipeline.demo import tiny_mixed, tiny_reasoning
+        from pipeline.demo.tiny_trained import MIXED_STEPS, REASONING_BATCH, REASONING_STEPS, build_weights
 
-        weights, report = build_weights(tiny_config(variant), steps=REASONING_STEPS, batch=REASONING_BATCH,
-                                        domain=conversations)
+        domain = tiny_reasoning if variant == "reasoning" else tiny_mixed
+        steps = REASONING_STEPS if variant == "reasoning" else MIXED_STEPS
+        weights, report = build_weights(tiny_config(variant), steps=steps, batch=REASONING_BATCH,
+                                        domain=domain.conversations)
     else:
         weights = _tiny_weights(variant)
     out.mkdir(parents=True, exist_ok=True)

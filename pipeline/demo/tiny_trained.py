@@ -57,6 +57,7 @@ UNUSED_PUSH = 100.0
 # The reasoning domain's rows are ~4x longer (~230 tokens, 455 output ids): 400 steps of 32 take about 3 min on
 # 2 cores and reach ~0.2 nats per response token; its traces' branch points keep it above the shop target's.
 REASONING_STEPS, REASONING_BATCH = 400, 32
+MIXED_STEPS = 500  # both domains in one model (tiny_mixed): a little longer, half its rows are short shop ones
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,25 @@ def test_greedy_answers_are_long_peaked_and_clean(reasoning_target):
     assert all(100 <= n <= 300 for n in lengths)
     assert statistics.mean(top1) >= 0.85  # peaked along its own path ...
     assert sum(p < 0.9 for p in top1) >= 0.02 * len(top1)  # ... with branch points left for a drafter
+
+
+def test_mixed_corpus_holds_both_domains_and_its_recipe_covers_them():
+    """The ``mixed`` target trains on shop and reasoning conversations drawn from one seeded stream; a change to
+    either domain rebuilds it."""
+    from pipeline.demo import tiny_domain, tiny_mixed, tiny_reasoning
+
+    profile = load_deepseek_profile()
+    convs = tiny_mixed.conversations(200, seed=5)
+    assert convs == tiny_mixed.conversations(200, seed=5) and convs != tiny_mixed.conversations(200, seed=6)
+    lengths = [len(ids) - start for ids, start in (encode(c, profile) for c in convs)]
+    short = sum(n < 80 for n in lengths)  # shop answers are ~30 tokens, reasoning ones 100-300
+    assert 0.35 * len(convs) < short < 0.65 * len(convs) and max(lengths) >= 100
+    systems = {m["content"] for c in convs for m in c.messages if m["role"] == "system"}
+    only = {"shop": set(tiny_domain.SYSTEMS) - set(tiny_reasoning.SYSTEMS),
+            "reasoning": set(tiny_reasoning.SYSTEMS) - set(tiny_domain.SYSTEMS)}
+    assert systems & only["shop"] and systems & only["reasoning"]  # each domain's own generator
+    here = Path(__file__).resolve().parents[2] / "pipeline" / "demo"
+    h = hashlib.sha256()
+    for name in ("tiny_model.py", "tiny_trained.py", "tiny_domain.py", "tiny_reasoning.py", "tiny_mixed.py"):
+        h.update((here / name).read_bytes())
+    assert recipe("mixed") == h.hexdigest()[:16] and "mixed" in VARIANTS
