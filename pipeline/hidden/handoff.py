@@ -14,6 +14,9 @@ acceptance on it ends the phase.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,13 +28,14 @@ import pyarrow.parquet as pq
 
 from pipeline.base.config import ExtractionConfig, RunConfig
 from pipeline.base.console import Console, ExtractWatch, TrainWatch, heldout_line, served_line
-from pipeline.base.layout import RunLayout
+from pipeline.base.layout import RunLayout, atomic_write_json
 from pipeline.base.records import read_samples, read_samples_dataset
 from pipeline.report.summary import Timings
 
 if TYPE_CHECKING:
     from training.vocab import VocabMapping
 
+DATA_FILE = "data.json"  # in drafter/: which training samples its checkpoints were made from
 SAMPLE_INPUT_COLUMNS = ["sample_id", "dataset", "row_index", "source", "prompt_ids", "prompt_assistant_mask",
                         "output_ids"]
 
@@ -171,6 +175,8 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
         from training.heldout import heldout_acceptance
         from training.train import train_drafter
 
+        fresh_drafter(layout, *training_data(layout, h.heldout), console)
+
         # counted from the samples, not the stream: counting the stream would run the extraction once more
         vocab = draft_vocab_from_samples(layout, target_cfg["vocab_size"], tcfg.draft_vocab_size, ex.max_len,
                                          ex.too_long, h.heldout) if ex.mode == "stream" else None
@@ -204,6 +210,43 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
                                                 [str(r["sample_id"]) for r in held], timings)
     result["extraction"] = read_extract_stats(layout.extract_stats) if layout.extract_stats.exists() else {}
     return result
+
+
+def training_data(layout: RunLayout, heldout_fraction: float) -> tuple[str, int]:
+    """(digest, count) of the passed samples that reach training: what a drafter's checkpoints were made from."""
+    from training.heldout import is_held_out
+
+    rows, _ = read_samples(layout.samples, ["sample_id"]) if layout.samples.is_dir() else ([], 0)
+    ids = sorted(str(r["sample_id"]) for r in rows if not is_held_out(str(r["sample_id"]), heldout_fraction))
+    h = hashlib.sha256()
+    for sid in ids:
+        h.update(sid.encode() + b"\x1f")
+    return h.hexdigest(), len(ids)
+
+
+def fresh_drafter(layout: RunLayout, digest: str, samples: int, console: Console) -> None:
+    """Keep ``drafter/`` for a resumed training only when its checkpoints were made from these samples.
+
+    A re-run that added samples (a raised ``max_rows`` or budget, a plan's fragment) would otherwise resume the
+    finished training at its last step and export the old drafter, the new samples never trained on. Such a
+    folder moves to ``drafter.previous/`` (one kept) and training starts from step 0, with a console line. A
+    folder from before ``data.json`` existed is taken as made from these samples (its resume is kept)."""
+    d = layout.drafter
+    meta = d / DATA_FILE
+    if d.is_dir() and meta.is_file():
+        try:
+            before = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            before = {}
+        if not isinstance(before, dict) or before.get("digest") != digest:
+            prev = d.with_name(d.name + ".previous")
+            shutil.rmtree(prev, ignore_errors=True)
+            d.rename(prev)
+            then = before.get("samples") if isinstance(before, dict) else None
+            console.line(f"[train] the training samples changed since the drafter was trained ({then} then, "
+                         f"{samples} now): training again from step 0; the previous drafter is in {prev}")
+    d.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(meta, {"samples": samples, "digest": digest})
 
 
 def served_phase(cfg: RunConfig, layout: RunLayout, console: Console, export_dir: str, heldout: dict[str, Any],
