@@ -5,7 +5,7 @@ when one is given (default: the held-out mix the value run used), and hands the 
 per sample and the samples its files' rows left should give to pipeline.value.plan. It writes
 ``value/plan.json`` with a config fragment, by entry name: per dataset the ``max_rows`` that reads the planned
 prompts more, and on each API source that served the dataset a ``budgets_usd`` cap of what its ledger counted
-so far plus its share of the plan's dollars.
+so far plus its share of the plan's dollars (and its token cap raised alike, where it has one).
 """
 
 from __future__ import annotations
@@ -67,23 +67,30 @@ def room(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, int]]:
 
 
 def fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any], rooms: Mapping[str, Mapping[str, int]],
-             costs: Mapping[tuple[str, str], float]) -> dict[str, Any]:
+             costs: Mapping[tuple[str, str], float], tokens: Mapping[tuple[str, str], int] | None = None,
+             asks: Mapping[tuple[str, str], float] | None = None) -> dict[str, Any]:
     """The config keys that spend the plan, by entry name: ``max_rows`` per dataset (the planned samples more,
     scaled up by the dataset's pass rate so far), and per API source that served the dataset a ``budgets_usd``
     cap: what its ledger has counted on it so far plus its share of the plan's dollars (shared by what each
-    source's samples of it cost). ``costs``: (source, dataset) -> dollars of its samples so far."""
+    source's samples of it cost). A source that also caps the dataset in tokens gets its ``budgets`` raised
+    the same way (its share in tokens at its own tokens per dollar so far), else that cap would stop the
+    follow-up run first. Each cap also holds one request's reservation (``asks``: its dollars, as the source
+    reserves them ahead; ``max_tokens`` in tokens): a request is sent only while its worst case fits, so a cap
+    of exactly the plan's dollars would leave the last planned rows to do; ``max_rows`` bounds the spend.
+    ``costs``/``tokens``: (source, dataset) -> dollars / output tokens of its samples so far."""
     from pipeline.generate.ledger import read_journal_both
     from pipeline.generate.sources.registry import spending_sources
 
+    tokens, asks = tokens or {}, asks or {}
     datasets: dict[str, dict[str, int]] = {}
-    budgets: dict[str, dict[str, float]] = {}
+    caps: dict[str, dict[str, dict[str, float | int]]] = {}
     api = spending_sources(cfg.sources)
-    counted = {}
+    counted: dict[str, tuple[dict[str, int], dict[str, float]]] = {}
     for src in api:
         try:
-            counted[src.name] = read_journal_both(str(layout.ledger(src.name)))[1]
+            counted[src.name] = read_journal_both(str(layout.ledger(src.name)))
         except ConfigError:
-            counted[src.name] = {}
+            counted[src.name] = ({}, {})
     for row in plan["datasets"]:
         name, add = row["dataset"], int(row["add_samples"])
         r = rooms.get(name)
@@ -93,14 +100,55 @@ def fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any], rooms: 
         datasets[name] = {"max_rows": min(r["rows"], r["read"] + math.ceil(add / max(rate, 1e-9)))}
         shares = {s.name: costs.get((s.name, name), 0.0) for s in api if (s.name, name) in costs}
         total = sum(shares.values())
-        for src, c in shares.items():
-            part = row["add_usd"] * (c / total if total else 1 / len(shares))
-            base = max(float(counted[src].get(name, 0.0)), c)
-            budgets.setdefault(src, {})[name] = round(base + part, 12)
+        for src in (s for s in api if s.name in shares):
+            part = row["add_usd"] * (shares[src.name] / total if total else 1 / len(shares))
+            spent_tokens, spent_usd = counted[src.name]
+            base = max(float(spent_usd.get(name, 0.0)), shares[src.name])
+            ask = asks.get((src.name, name), 0.0)
+            ask = ask if math.isfinite(ask) else 0.0
+            caps.setdefault(src.name, {}).setdefault("budgets_usd", {})[name] = round(base + part + ask, 12)
+            if src.token_budget(name) is not None:  # a finite token cap: raised by the same share, in tokens
+                had = tokens.get((src.name, name), 0)
+                per_usd = had / shares[src.name] if shares[src.name] > 0 else None
+                more = part * per_usd if per_usd is not None else add * had / max(1, r["passed"])
+                used = max(int(spent_tokens.get(name, 0)), had)
+                reserve = (src.sampling or cfg.sampling).max_tokens
+                caps[src.name].setdefault("budgets", {})[name] = max(int(src.token_budget(name)),
+                                                                     used + math.ceil(more) + reserve)
     out: dict[str, Any] = {"datasets": datasets}
-    if budgets:
-        out["sources"] = {s: {"budgets_usd": b} for s, b in sorted(budgets.items())}
+    if caps:
+        out["sources"] = {s: {k: c[k] for k in ("budgets_usd", "budgets") if k in c} for s, c in sorted(caps.items())}
     return out
+
+
+def request_asks(cfg: RunConfig, layout: RunLayout) -> dict[tuple[str, str], float]:
+    """(API source, dataset) -> the dollars one more request reserves ahead, reckoned as the source does
+    (``usd_ask``: its configured prices, else the dearest price per token its samples were billed at) for the
+    dataset's longest prompt so far."""
+    from pipeline.generate.sources.http.engine import usd_ask
+    from pipeline.generate.sources.registry import spending_sources
+
+    api = {s.name: s for s in spending_sources(cfg.sources)}
+    rows, _ = read_samples(layout.samples, ["sample_id", "dataset", "source", "cost", "billed_completion_tokens",
+                                            "prompt_ids"]) if layout.samples.is_dir() else ([], 0)
+    bounds: dict[str, list[float]] = {}
+    longest: dict[tuple[str, str], int] = {}
+    for r in rows:
+        src = str(r.get("source") or "")
+        if src not in api:
+            continue
+        n = len(r["prompt_ids"]) if r.get("prompt_ids") is not None else 0
+        key = (src, str(r["dataset"]))
+        longest[key] = max(longest.get(key, 0), n + 16)  # the template margin the source adds
+        b = bounds.setdefault(src, [0.0, 0.0])
+        cost, billed = float(r.get("cost") or 0.0), int(r.get("billed_completion_tokens") or 0)
+        if math.isfinite(cost) and cost > 0:
+            if n > 0:
+                b[0] = max(b[0], cost / n)
+            if billed > 0:
+                b[1] = max(b[1], cost / billed)
+    return {(src, ds): usd_ask(n, (api[src].sampling or cfg.sampling).max_tokens, api[src].prices,
+                               bounds.get(src, [0.0, 0.0])) for (src, ds), n in longest.items()}
 
 
 def buyables(value: Mapping[str, Any], mix: Mapping[str, float] | None,
@@ -146,6 +194,18 @@ def buyables(value: Mapping[str, Any], mix: Mapping[str, float] | None,
     return buys, chosen, now, no_curve
 
 
+def run_fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any],
+                 rooms: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+    """``fragment`` for a plan over this run's folder: its samples' dollars and tokens per (source, dataset)
+    and the reservation of one more request, read from the folder."""
+    costs: Counter = Counter()
+    tokens: Counter = Counter()
+    for s in sample_costs(layout, cfg):
+        costs[s["source"], s["dataset"]] += s["usd"]
+        tokens[s["source"], s["dataset"]] += s["tokens"]
+    return fragment(cfg, layout, plan, rooms, costs, tokens, request_asks(cfg, layout))
+
+
 def run_plan(cfg: RunConfig, budget_usd: float, mix: Mapping[str, float] | None = None) -> tuple[dict[str, Any],
                                                                                                   list[str]]:
     """The plan (also written to ``value/plan.json``) and its console lines. ``PlanRefused`` or
@@ -159,10 +219,7 @@ def run_plan(cfg: RunConfig, budget_usd: float, mix: Mapping[str, float] | None 
     except (KeyError, TypeError, ValueError):
         raise ValueRefused("value.json has no held-out fraction: run `python -m pipeline value` again") from None
     plan = make_plan(buys, budget_usd, train_share, now)
-    costs: Counter = Counter()
-    for s in sample_costs(layout, cfg):
-        costs[s["source"], s["dataset"]] += s["usd"]
-    plan |= {"mix": chosen, "no_curve": no_curve, "fragment": fragment(cfg, layout, plan, rooms, costs)}
+    plan |= {"mix": chosen, "no_curve": no_curve, "fragment": run_fragment(cfg, layout, plan, rooms)}
     lines = plan_lines(plan) + [f"[plan]   no curve for {k}: {v}" for k, v in no_curve.items()]
     if plan["fragment"]["datasets"]:
         lines.append(f"[plan] written to {layout.plan}; set these keys on the config's entries of the same name:")

@@ -80,3 +80,44 @@ def test_unpriced_datasets_are_named_and_left_out():
     assert plan["unpriced"] == ["free"] and "free" not in {r["dataset"] for r in plan["datasets"]}
     with pytest.raises(PlanRefused, match="no dataset has a price"):
         make_plan(buys[2:], 1.0, train_share=1.0, now=3.0)
+
+
+def test_the_fragment_raises_a_token_cap_with_the_dollar_cap(tmp_path):
+    """A source that caps a dataset in tokens too gets that cap raised by its share of the plan (at its own
+    tokens per dollar so far); without it the follow-up run would stop at the old token cap, its dollars unspent.
+    A dataset the source leaves without a token cap gets none, and a token cap is never lowered. Each cap holds
+    one request's reservation more, so the planned rows, not the cap, end the run."""
+    import json
+
+    from pipeline.base.config import RunConfig
+    from pipeline.base.layout import RunLayout
+    from pipeline.run.plan import fragment
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    cfg = RunConfig.model_validate({
+        "output_dir": str(tmp_path / "out"), "model": {"profile": "deepseek"},
+        "datasets": [{"name": n, "path": str(prompts)} for n in ("a", "b", "c")],
+        "sources": [{"kind": "openrouter", "name": "api", "model": "m", "base_url": "http://127.0.0.1:9/v1",
+                     "api_key_required": False, "budgets": {"a": 5000, "c": 10**9}, "budgets_usd": {"b": 1.0},
+                     "default_budget_usd": 1.0}], "training": None})
+    layout = RunLayout(cfg.output_dir)
+    layout.root.mkdir(parents=True)
+    # the ledger counted a little more than the samples show (a request billed, its answer lost)
+    layout.ledger("api").write_text(json.dumps({"#format": 2, "tokens": {"a": 4200, "b": 900, "c": 10},
+                                                "usd": {"a": 0.0042, "b": 0.0009, "c": 0.00001}}))
+    plan = {"datasets": [{"dataset": "a", "add_usd": 0.002, "add_samples": 10},
+                         {"dataset": "b", "add_usd": 0.001, "add_samples": 5},
+                         {"dataset": "c", "add_usd": 0.0001, "add_samples": 1}]}
+    rooms = {n: {"rows": 100, "read": 40, "passed": 40, "samples_left": 60} for n in "abc"}
+    costs = {("api", "a"): 0.004, ("api", "b"): 0.0009, ("api", "c"): 0.00001}
+    tokens = {("api", "a"): 4000, ("api", "b"): 900, ("api", "c"): 10}
+    asks = {("api", "a"): 0.0003, ("api", "b"): 0.0002, ("api", "c"): float("nan")}  # c: no price seen yet
+    frag = fragment(cfg, layout, plan, rooms, costs, tokens, asks)
+    src = frag["sources"]["api"]
+    # what the ledger counted + the plan's share + one request's reservation (else the last rows stay to do)
+    assert src["budgets_usd"] == {"a": 0.0065, "b": 0.0021, "c": 0.00011}
+    # a: 4,200 counted + $0.002 at 1,000,000 tokens per dollar + max_tokens (128, the default);
+    # c's cap is already far above
+    assert src["budgets"] == {"a": 4200 + 2000 + 128, "c": 10**9}
+    assert frag["datasets"] == {"a": {"max_rows": 50}, "b": {"max_rows": 45}, "c": {"max_rows": 41}}

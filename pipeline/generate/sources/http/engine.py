@@ -120,6 +120,17 @@ def request_options(cfg: OpenRouterSourceConfig, sampling: SamplingConfig) -> Re
     )
 
 
+def usd_ask(n_prompt: int, max_tokens: int, prices: Any, bounds: tuple[float, float] | list[float]) -> float:
+    """The most one request can cost, as reserved ahead: from configured ``prices`` (per million tokens), else
+    from ``bounds`` (the dearest dollars seen per prompt token and per completion token); NaN when unknown."""
+    if prices is not None:
+        return (n_prompt * prices.prompt_usd_per_mtok + max_tokens * prices.completion_usd_per_mtok) / 1e6
+    p, c = bounds
+    if p > 0 and c > 0:
+        return n_prompt * p + max_tokens * c
+    return math.nan
+
+
 @dataclass
 class _Attempt:
     reply: Reply | None
@@ -359,14 +370,7 @@ class HttpEngine:
         """The most this prompt's request can cost: from configured prices, else from upper bounds of each
         token price seen so far (a reply's cost over its prompt tokens bounds the prompt price, over its
         completion tokens the completion price); NaN when unknown (the ledger then sends one probe at a time)."""
-        n_prompt = self._prompt_tokens(row)
-        prices = self.cfg.prices
-        if prices is not None:
-            return (n_prompt * prices.prompt_usd_per_mtok + self.opts.max_tokens * prices.completion_usd_per_mtok) / 1e6
-        p, c = self._usd_bounds
-        if p > 0 and c > 0:
-            return n_prompt * p + self.opts.max_tokens * c
-        return math.nan
+        return usd_ask(self._prompt_tokens(row), self.opts.max_tokens, self.cfg.prices, self._usd_bounds)
 
     @staticmethod
     def _prompt_tokens(row: dict[str, Any]) -> int:
