@@ -66,6 +66,12 @@ def room(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, int]]:
     return out
 
 
+# A plan prices a dataset's next samples at its average so far; the samples it then buys may cost more (the
+# bench's follow-ups overshot by ~0.1%, enough to leave the last row unreserved under a cap of exactly the
+# plan). The caps get this headroom over the plan's share; ``max_rows`` is what bounds the rows bought.
+CAP_HEADROOM = 1.2
+
+
 def fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any], rooms: Mapping[str, Mapping[str, int]],
              costs: Mapping[tuple[str, str], float], tokens: Mapping[tuple[str, str], int] | None = None,
              asks: Mapping[tuple[str, str], float] | None = None) -> dict[str, Any]:
@@ -74,9 +80,10 @@ def fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any], rooms: 
     cap: what its ledger has counted on it so far plus its share of the plan's dollars (shared by what each
     source's samples of it cost). A source that also caps the dataset in tokens gets its ``budgets`` raised
     the same way (its share in tokens at its own tokens per dollar so far), else that cap would stop the
-    follow-up run first. Each cap also holds one request's reservation (``asks``: its dollars, as the source
-    reserves them ahead; ``max_tokens`` in tokens): a request is sent only while its worst case fits, so a cap
-    of exactly the plan's dollars would leave the last planned rows to do; ``max_rows`` bounds the spend.
+    follow-up run first. Each cap holds the share with ``CAP_HEADROOM`` and one request's reservation
+    (``asks``: its dollars, as the source reserves them ahead; ``max_tokens`` in tokens): a request is sent
+    only while its worst case fits, so a cap of exactly the plan's dollars would leave the last planned rows to
+    do; ``max_rows`` bounds the spend.
     ``costs``/``tokens``: (source, dataset) -> dollars / output tokens of its samples so far."""
     from pipeline.generate.ledger import read_journal_both
     from pipeline.generate.sources.registry import spending_sources
@@ -106,7 +113,8 @@ def fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any], rooms: 
             base = max(float(spent_usd.get(name, 0.0)), shares[src.name])
             ask = asks.get((src.name, name), 0.0)
             ask = ask if math.isfinite(ask) else 0.0
-            caps.setdefault(src.name, {}).setdefault("budgets_usd", {})[name] = round(base + part + ask, 12)
+            room_usd = part * CAP_HEADROOM + ask
+            caps.setdefault(src.name, {}).setdefault("budgets_usd", {})[name] = round(base + room_usd, 12)
             if src.token_budget(name) is not None:  # a finite token cap: raised by the same share, in tokens
                 had = tokens.get((src.name, name), 0)
                 per_usd = had / shares[src.name] if shares[src.name] > 0 else None
@@ -114,7 +122,7 @@ def fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any], rooms: 
                 used = max(int(spent_tokens.get(name, 0)), had)
                 reserve = (src.sampling or cfg.sampling).max_tokens
                 caps[src.name].setdefault("budgets", {})[name] = max(int(src.token_budget(name)),
-                                                                     used + math.ceil(more) + reserve)
+                                                                     used + math.ceil(more * CAP_HEADROOM) + reserve)
     out: dict[str, Any] = {"datasets": datasets}
     if caps:
         out["sources"] = {s: {k: c[k] for k in ("budgets_usd", "budgets") if k in c} for s, c in sorted(caps.items())}

@@ -91,7 +91,7 @@ def test_the_fragment_raises_a_token_cap_with_the_dollar_cap(tmp_path):
 
     from pipeline.base.config import RunConfig
     from pipeline.base.layout import RunLayout
-    from pipeline.run.plan import fragment
+    from pipeline.run.plan import CAP_HEADROOM, fragment
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
@@ -115,9 +115,11 @@ def test_the_fragment_raises_a_token_cap_with_the_dollar_cap(tmp_path):
     asks = {("api", "a"): 0.0003, ("api", "b"): 0.0002, ("api", "c"): float("nan")}  # c: no price seen yet
     frag = fragment(cfg, layout, plan, rooms, costs, tokens, asks)
     src = frag["sources"]["api"]
-    # what the ledger counted + the plan's share + one request's reservation (else the last rows stay to do)
-    assert src["budgets_usd"] == {"a": 0.0065, "b": 0.0021, "c": 0.00011}
-    # a: 4,200 counted + $0.002 at 1,000,000 tokens per dollar + max_tokens (128, the default);
+    # what the ledger counted + the plan's share with 20% headroom + one request's reservation (else the last
+    # rows stay to do)
+    assert CAP_HEADROOM == 1.2
+    assert src["budgets_usd"] == {"a": 0.0069, "b": 0.0023, "c": 0.00013}
+    # a: 4,200 counted + $0.002 × 1.2 at 1,000,000 tokens per dollar + max_tokens (128, the default);
     # c's cap is already far above
-    assert src["budgets"] == {"a": 4200 + 2000 + 128, "c": 10**9}
+    assert src["budgets"] == {"a": 4200 + 2400 + 128, "c": 10**9}
     assert frag["datasets"] == {"a": {"max_rows": 50}, "b": {"max_rows": 45}, "c": {"max_rows": 41}}
