@@ -133,7 +133,7 @@ def request_asks(cfg: RunConfig, layout: RunLayout) -> dict[tuple[str, str], flo
     """(API source, dataset) -> the dollars one more request reserves ahead, reckoned as the source does
     (``usd_ask``: its configured prices, else the dearest price per token its samples were billed at) for the
     dataset's longest prompt so far."""
-    from pipeline.generate.sources.http.engine import usd_ask
+    from pipeline.generate.sources.http.engine import prompt_tokens, usd_ask
     from pipeline.generate.sources.registry import spending_sources
 
     api = {s.name: s for s in spending_sources(cfg.sources)}
@@ -147,7 +147,7 @@ def request_asks(cfg: RunConfig, layout: RunLayout) -> dict[tuple[str, str], flo
             continue
         n = len(r["prompt_ids"]) if r.get("prompt_ids") is not None else 0
         key = (src, str(r["dataset"]))
-        longest[key] = max(longest.get(key, 0), n + 16)  # the template margin the source adds
+        longest[key] = max(longest.get(key, 0), prompt_tokens(r))  # as the source bounds it
         b = bounds.setdefault(src, [0.0, 0.0])
         cost, billed = float(r.get("cost") or 0.0), int(r.get("billed_completion_tokens") or 0)
         if math.isfinite(cost) and cost > 0:

@@ -120,6 +120,15 @@ def request_options(cfg: OpenRouterSourceConfig, sampling: SamplingConfig) -> Re
     )
 
 
+def prompt_tokens(row: dict[str, Any]) -> int:
+    """An upper bound of the prompt tokens a provider bills for this row, for its request's reservation."""
+    ids = row.get("prompt_ids")
+    if ids is not None and len(ids):
+        return len(ids) + 16  # the provider's template may add a few tokens
+    text = row.get("messages")
+    return (len(text) if isinstance(text, str) else len(json.dumps(text or ""))) // 2 + 16
+
+
 def usd_ask(n_prompt: int, max_tokens: int, prices: Any, bounds: tuple[float, float] | list[float]) -> float:
     """The most one request can cost, as reserved ahead: from configured ``prices`` (per million tokens), else
     from ``bounds`` (the dearest dollars seen per prompt token and per completion token); NaN when unknown."""
@@ -374,11 +383,7 @@ class HttpEngine:
 
     @staticmethod
     def _prompt_tokens(row: dict[str, Any]) -> int:
-        ids = row.get("prompt_ids")
-        if ids is not None and len(ids):
-            return len(ids) + 16  # the provider's template may add a few tokens
-        text = row.get("messages")
-        return (len(text) if isinstance(text, str) else len(json.dumps(text or ""))) // 2 + 16
+        return prompt_tokens(row)
 
     def _learn_price(self, reply: Reply, cost: float | None) -> None:
         if cost is None or cost <= 0:
