@@ -14,6 +14,7 @@ disappears: a stage that cannot handle it marks it and passes it on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 import pyarrow as pa
@@ -69,10 +70,27 @@ def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema = FLIGHT_SCHEMA)
     return pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
 
 
-def tally_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """The driver's view of finished rows (``TALLY_SCHEMA``)."""
-    counted = [{**r, "output_tokens": None if r.get("output_ids") is None else len(r["output_ids"])} for r in rows]
-    return rows_to_table(counted, TALLY_SCHEMA)
+def tally_of(batch: pa.Table) -> pa.Table:
+    """The driver's view of finished rows (``TALLY_SCHEMA``) of a ``FLIGHT_SCHEMA`` table, column by column:
+    ``output_tokens`` is the length of ``output_ids`` (null where nothing was generated)."""
+    import pyarrow.compute as pc
+
+    cols = [batch.column(f.name) for f in TALLY_SCHEMA if f.name != "output_tokens"]
+    tokens = pc.list_value_length(batch.column("output_ids")).cast(pa.int64())
+    return pa.Table.from_arrays([*cols, tokens], schema=TALLY_SCHEMA)
+
+
+def marked(batch: pa.Table, rows: Sequence[int], status: Status, stage: str, reason: str | Sequence[str]) -> pa.Table:
+    """``batch`` with ``rows`` set to ``status`` at ``stage`` for ``reason`` (one for all, or one per row): ``mark``
+    over columns, the other columns untouched."""
+    reasons = [reason] * len(rows) if isinstance(reason, str) else list(reason)
+    cols = {c: batch.column(c).to_pylist() for c in ("status", "stage", "reason")}
+    for i, why in zip(rows, reasons, strict=True):
+        cols["status"][i], cols["stage"][i], cols["reason"][i] = status, stage, why
+    for name, values in cols.items():
+        field = FLIGHT_SCHEMA.field(name)
+        batch = batch.set_column(batch.schema.get_field_index(name), field, pa.array(values, field.type))
+    return batch
 
 
 def output_len(row: dict[str, Any]) -> int | None:

@@ -248,9 +248,9 @@ def reencode_text(ids: list[int], p: Profile) -> list[int]:
 def check_roundtrip(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | None:
     """decode then encode gives the same ids (the canonical tokenization of the text)."""
     ids = list(s["output_ids"])
-    text = p.decode(ids)
     if is_truncated(s):
         # A cut may split a multi-byte character; compare what precedes the partial character.
+        text = p.decode(ids)
         for _ in range(4):
             if not ids or not text.endswith("\ufffd"):
                 break

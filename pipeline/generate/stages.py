@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.base.config import ChecksConfig, PoolConfig
-from pipeline.base.flight import batch_to_rows, mark, rows_to_table, tally_table
+from pipeline.base.flight import FLIGHT_SCHEMA, batch_to_rows, mark, marked, rows_to_table, tally_of
 from pipeline.base.layout import RunLayout, atomic_write_table, shard_name
 from pipeline.base.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, empty_sample, quarantine_row, read_rows
 from pipeline.checks.validate import annotate, quarantine_reason, validate_sample
@@ -113,28 +113,34 @@ class WriteShards:
                             for r in read_rows(folder, ["sample_id"]))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = batch_to_rows(batch)
+        """Columns in, columns out: only ``status`` and ``sample_id`` become Python objects (the rows of a
+        quarantine shard too, which are rare); the samples' ids and texts go to Parquet as Arrow arrays."""
+        batch = batch if batch.schema.equals(FLIGHT_SCHEMA) else rows_to_table(batch_to_rows(batch))
         if self.lock_path is not None:
             from pipeline.base.run_lock import check_token
 
             check_token(self.lock_path, self.token or "")  # a lost lock writes nothing, not even a temp file
-        ok, bad, fresh = [], [], set()
-        for r in rows:
-            if r["status"] not in ("ok", "quarantine"):
+        status, ids = batch.column("status").to_pylist(), batch.column("sample_id").to_pylist()
+        ok, bad, dup, fresh = [], [], [], set()
+        for i, (st, sid) in enumerate(zip(status, ids, strict=True)):
+            if st not in ("ok", "quarantine"):
                 continue
-            if r["sample_id"] in self.written or r["sample_id"] in fresh:
-                r.update(status="duplicate", stage="write", reason="already written as passed or quarantined")
+            if sid in self.written or sid in fresh:
+                dup.append(i)
                 continue
-            fresh.add(r["sample_id"])
-            (ok if r["status"] == "ok" else bad).append(r)
+            fresh.add(sid)
+            (ok if st == "ok" else bad).append(i)
         if ok:
-            self._commit(rows_to_table(ok, SAMPLE_SCHEMA), self.samples / shard_name([r["sample_id"] for r in ok]))
-            self.written.update(r["sample_id"] for r in ok)
+            table = batch.take(ok).select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
+            self._commit(table, self.samples / shard_name([ids[i] for i in ok]))
+            self.written.update(ids[i] for i in ok)
         if bad:
-            q = [quarantine_row(r, r["stage"], r["reason"]) for r in bad]
+            q = [quarantine_row(r, r["stage"], r["reason"]) for r in batch.take(bad).to_pylist()]
             self._commit(rows_to_table(q, QUARANTINE_SCHEMA), self.quarantine / shard_name([r["sample_id"] for r in q]))
             self.written.update(r["sample_id"] for r in q)
-        return tally_table(rows)
+        if dup:
+            batch = marked(batch, dup, "duplicate", "write", "already written as passed or quarantined")
+        return tally_of(batch)
 
     def _commit(self, table: pa.Table, path: Path) -> None:
         """Write one shard whole; with a lock, only while it is still ours (fence: guard, token check, write)."""

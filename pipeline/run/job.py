@@ -439,7 +439,8 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
         lock = current_lock()  # the shard writer checks it still owns the folder before every shard
         fence = {"lock_path": str(lock.path), "token": lock.token} if lock is not None else {}
         ds = ds.map_batches(WriteShards, fn_constructor_args=(str(layout.root),), fn_constructor_kwargs=fence,
-                            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.25)
+                            batch_size=block_rows, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1),
+                            num_cpus=0.25)
         rerouted = []
         try:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):

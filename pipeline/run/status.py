@@ -55,7 +55,7 @@ def dataset_status(cfg: RunConfig, samples: list[dict[str, Any]], quarantine: li
 
 def spend_status(cfg: RunConfig, out: Path, samples: list[dict[str, Any]]) -> dict[str, Any]:
     from pipeline.generate.ledger import read_journal
-    from pipeline.generate.sources.http.journal import billed_by_dataset, load_responses
+    from pipeline.generate.sources.http.journal import journal_totals
     from pipeline.generate.sources.registry import spending_sources
 
     spend = {}
@@ -68,11 +68,11 @@ def spend_status(cfg: RunConfig, out: Path, samples: list[dict[str, Any]]) -> di
                 cost += float(r["cost"] or 0.0)
         layout = RunLayout(out)
         committed = read_journal(str(layout.ledger(src.name)))
-        journaled = billed_by_dataset(layout.responses, src.name)
+        totals = journal_totals(layout.responses, src.name)  # one pass over the journal
+        journaled = totals.billed
         written = {r["sample_id"] for r in samples}
         # paid for, not yet written (a killed attempt's): a re-run rebuilds these without paying again
-        unwritten = Counter(rec.dataset for sid, rec in load_responses(layout.responses, src.name).items()
-                            if sid not in written)
+        unwritten = Counter(dataset for sid, dataset in totals.responded.items() if sid not in written)
         datasets = sorted(set(billed) | set(committed) | set(src.budgets) | set(journaled))
         spend[src.name] = {
             "cost_usd_in_samples": round(cost, 6),

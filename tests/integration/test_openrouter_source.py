@@ -398,8 +398,9 @@ def test_journaled_responses_are_replayed_not_paid_again(profile, tmp_path):
 
 
 def test_the_http_session_is_closed_when_the_actor_goes_idle(profile, caplog):
-    """A Ray Data actor gets no shutdown call: the stage closes its session whenever no batch is in flight, so a
-    run never ends with aiohttp's "Unclosed client session"."""
+    """A Ray Data actor gets no shutdown call: the stage closes its session once no batch has been in flight for
+    ``idle_close_s``, so a run never ends with aiohttp's "Unclosed client session"; a batch within that gap
+    reuses the session and its connections (closing at every gap reopened all of them)."""
     import gc
 
     caplog.set_level(logging.ERROR, logger="asyncio")
@@ -407,11 +408,22 @@ def test_the_http_session_is_closed_when_the_actor_goes_idle(profile, caplog):
     with serve_in_thread(ServerConfig(seed=4), CannedBackend(2, profile)) as (url, _server):
         gen = OpenRouterGenerator(source_cfg(url, api_key_required=False), "deepseek", None,
                                   local_ledger(source_cfg(url)))
-        out = asyncio.run(gen(rows)).to_pylist()  # no explicit close, as in a Ray Data actor
-        assert gen.engine._session is None
+        gen.idle_close_s = 0.5
+
+        async def go(gen: OpenRouterGenerator) -> list[dict]:
+            out = (await gen(rows[:3])).to_pylist()  # no explicit close, as in a Ray Data actor
+            session = gen.engine._session
+            assert session is not None and not session.closed
+            out += (await gen(rows[3:])).to_pylist()  # within the gap: the same session
+            assert gen.engine._session is session
+            await asyncio.sleep(1.0)
+            assert gen.engine._session is None and session.closed
+            return out
+
+        out = asyncio.run(go(gen))
     del gen
     gc.collect()
-    assert {r["status"] for r in out} == {"ok"}
+    assert len(out) == 6 and {r["status"] for r in out} == {"ok"}
     assert "Unclosed client session" not in caplog.text
 
 

@@ -217,6 +217,35 @@ def test_billed_totals_include_billed_failures(tmp_path: Path) -> None:
     assert billed_by_dataset(folder, "or-b") == {"d1": 1000}
 
 
+def test_journal_totals_parse_the_files_once_while_they_are_unchanged(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume asks for the billed tokens, the costs and the give-ups at three places, status for the billed
+    tokens and the responses: one parse of the files serves them all until a file changes."""
+    from pipeline.generate.sources.http.journal import gave_up_counts, journal_totals
+
+    folder = RunLayout(tmp_path).responses
+    with ResponseJournal(journal_path(tmp_path, "or", "a1")) as j:
+        j.append(rec("s1", billed=100, cost=0.1, generation_id="g1"))
+        j.append(rec("s1", billed=100, cost=0.1, generation_id="g1"))  # journaled twice: counted once
+        j.append(rec("s2", kind="gave_up", billed=0, error="timeout"))
+        j.append(rec("s2", kind="gave_up", billed=0, error="HTTP 503"))
+        j.append(rec("s3", dataset="d2", kind="billed_failure", billed=5))
+    parses = []
+    real = Record.from_json.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(Record, "from_json", classmethod(lambda cls, line: parses.append(1) or real(cls, line)))
+    totals = journal_totals(folder, "or")
+    assert totals.billed == {"d1": 100, "d2": 5} and totals.cost["d1"] == pytest.approx(0.1)
+    assert totals.gave_up == {"s2": (2, "HTTP 503")} and totals.responded == {"s1": "d1"}
+    n = len(parses)
+    assert n == 5
+    assert billed_by_dataset(folder, "or") == totals.billed and gave_up_counts(folder, "or") == totals.gave_up
+    assert cost_by_dataset(folder, "or") == totals.cost and len(parses) == n  # no second parse
+    with ResponseJournal(journal_path(tmp_path, "or", "a2")) as j:  # a changed folder is parsed again
+        j.append(rec("s4", dataset="d2", billed=7, generation_id="g4"))
+    assert billed_by_dataset(folder, "or") == {"d1": 100, "d2": 12} and len(parses) == n + 6
+    assert journal_totals(folder, "or").responded == {"s1": "d1", "s4": "d2"}
+
+
 def test_write_failure_raises_and_stops_the_journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "or-a.jsonl"

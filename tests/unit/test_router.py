@@ -230,3 +230,21 @@ def test_rows_no_stage_served_are_quarantined_not_written_empty():
     out = close_unserved(rows_to_table(rows)).to_pylist()
     assert (out[0]["status"], out[0]["stage"]) == ("quarantine", "generate") and "'gone'" in out[0]["reason"]
     assert out[1]["status"] == "ok" and out[2]["status"] == "reroute"
+
+
+def test_routing_maps_read_only_their_columns_and_pass_a_served_block_through():
+    """close_unserved hands a block whose ok rows were all generated on as the same table (a column scan, no
+    conversion); assign_sources takes a block in any column order (converted once) and writes only source."""
+    router = build_router([src("api", "openrouter")], [ds("chat")], RoutingConfig(), 4)
+    rows = [flight(i) for i in range(3)]
+    routed = assign_sources(rows_to_table(rows), router)
+    assert routed.column("source").to_pylist() == ["api"] * 3
+    served = routed.set_column(routed.schema.get_field_index("output_ids"), "output_ids",
+                               pa.array([[1, 2]] * 3, pa.list_(pa.int32())))
+    assert close_unserved(served) is served
+    shuffled = pa.Table.from_pylist([{k: r[k] for k in reversed(list(r))} for r in rows])  # no schema, columns reversed
+    again = assign_sources(shuffled, router)
+    assert again.schema == routed.schema and again.to_pylist() == routed.to_pylist()
+    out = close_unserved(again).to_pylist()  # nothing generated: every ok row quarantined, named
+    assert {(r["status"], r["stage"]) for r in out} == {("quarantine", "generate")}
+    assert all("no stage in the chain served source 'api'" in r["reason"] for r in out)

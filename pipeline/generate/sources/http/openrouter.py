@@ -12,6 +12,7 @@ requests in flight; all actors of a source share one budget ledger actor
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -35,6 +36,7 @@ from pipeline.profiles import load_profile
 log = logging.getLogger(__name__)
 
 # Columns the stage adds to SAMPLE_SCHEMA so one table carries all three outcomes.
+IDLE_CLOSE_S = 2.0  # an HTTP actor idle this long closes its session (see OpenRouterGenerator.run)
 STATUS_COLUMNS = ["status", "error", "failure_class", "attempts", "generation_id"]
 OUTPUT_SCHEMA = pa.schema(list(SAMPLE_SCHEMA) + [
     pa.field("status", pa.string()),
@@ -123,20 +125,37 @@ class OpenRouterGenerator:
                                  rng=random.Random(seed) if seed is not None else None, journal=journal,
                                  replay=index if replay is None and index is not None
                                  else {k: _record(v) for k, v in (replay or {}).items()})
-        self._active = 0
+        self._active = self._calls = 0
+        self.idle_close_s = IDLE_CLOSE_S
+        self._idle: asyncio.Task[None] | None = None  # the pending idle close (held: the loop keeps weak refs)
         if self.cfg.tune_gc:
             tune_gc()
 
     async def __call__(self, batch: Any) -> pa.Table:
-        rows = rows_of(batch)
+        return pa.Table.from_pylist(await self.run(rows_of(batch)), schema=OUTPUT_SCHEMA)
+
+    async def run(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One outcome row per prompt row, in order. Idle (no batch in flight), the journal is flushed at once
+        and the session closed ``idle_close_s`` later if still idle: a Ray Data actor gets no shutdown call,
+        and the short gaps between batches keep their connections (closing at each one reopened all
+        ``max_in_flight`` of them)."""
         self._active += 1
+        self._calls += 1
         try:
-            out = await self.engine.run_rows(rows)
+            return await self.engine.run_rows(rows)
         finally:
             self._active -= 1
-            if self._active == 0:  # idle: close the session (a Ray Data actor gets no shutdown call) and flush
-                await self.engine.close()
-        return pa.Table.from_pylist(out, schema=OUTPUT_SCHEMA)
+            if self._active == 0:
+                self.engine.flush()
+                if self.idle_close_s <= 0:
+                    await self.engine.close()
+                else:
+                    self._idle = asyncio.get_running_loop().create_task(self._close_if_idle(self._calls))
+
+    async def _close_if_idle(self, calls: int) -> None:
+        await asyncio.sleep(self.idle_close_s)
+        if self._active == 0 and self._calls == calls:  # no batch since: close (a later one opens its own)
+            await self.engine.close()
 
     async def close(self) -> None:
         await self.engine.close()
@@ -206,7 +225,7 @@ class OpenRouterFlight:
                 r["failure_class"] = "account"
                 leave_to_do(r, f"source {self.name!r} halted: {self.start_error}", self.name, self.router)
         elif todo:
-            outcomes = (await self.inner(todo)).to_pylist()
+            outcomes = await self.inner.run(todo)
             for r, o in zip(todo, outcomes, strict=True):
                 merge_outcome(r, o, self.name, self.router)
         return rows_to_table(rows)
