@@ -80,6 +80,17 @@ def tally_of(batch: pa.Table) -> pa.Table:
     return pa.Table.from_arrays([*cols, tokens], schema=TALLY_SCHEMA)
 
 
+def as_flight(batch: pa.Table) -> pa.Table:
+    """``batch`` in ``FLIGHT_SCHEMA``: a stage's own output already is; anything else is converted once."""
+    return batch if batch.schema.equals(FLIGHT_SCHEMA) else rows_to_table(batch_to_rows(batch))
+
+
+def with_column(batch: pa.Table, name: str, values: list[Any]) -> pa.Table:
+    """A ``FLIGHT_SCHEMA`` table with column ``name`` replaced by ``values``."""
+    field = FLIGHT_SCHEMA.field(name)
+    return batch.set_column(batch.schema.get_field_index(name), field, pa.array(values, field.type))
+
+
 def marked(batch: pa.Table, rows: Sequence[int], status: Status, stage: str, reason: str | Sequence[str]) -> pa.Table:
     """``batch`` with ``rows`` set to ``status`` at ``stage`` for ``reason`` (one for all, or one per row): ``mark``
     over columns, the other columns untouched."""
@@ -88,8 +99,7 @@ def marked(batch: pa.Table, rows: Sequence[int], status: Status, stage: str, rea
     for i, why in zip(rows, reasons, strict=True):
         cols["status"][i], cols["stage"][i], cols["reason"][i] = status, stage, why
     for name, values in cols.items():
-        field = FLIGHT_SCHEMA.field(name)
-        batch = batch.set_column(batch.schema.get_field_index(name), field, pa.array(values, field.type))
+        batch = with_column(batch, name, values)
     return batch
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.base.config import ChecksConfig, PoolConfig
-from pipeline.base.flight import FLIGHT_SCHEMA, batch_to_rows, mark, marked, rows_to_table, tally_of
+from pipeline.base.flight import as_flight, batch_to_rows, mark, marked, rows_to_table, tally_of
 from pipeline.base.layout import RunLayout, atomic_write_table, shard_name
 from pipeline.base.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, empty_sample, quarantine_row, read_rows
 from pipeline.checks.validate import annotate, quarantine_reason, validate_sample
@@ -115,7 +115,7 @@ class WriteShards:
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Columns in, columns out: only ``status`` and ``sample_id`` become Python objects (the rows of a
         quarantine shard too, which are rare); the samples' ids and texts go to Parquet as Arrow arrays."""
-        batch = batch if batch.schema.equals(FLIGHT_SCHEMA) else rows_to_table(batch_to_rows(batch))
+        batch = as_flight(batch)
         if self.lock_path is not None:
             from pipeline.base.run_lock import check_token
 

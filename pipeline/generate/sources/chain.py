@@ -33,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.base.config import EngineSourceConfig, ExtractionConfig, SamplingConfig
-from pipeline.base.flight import FLIGHT_SCHEMA, batch_to_rows, marked, rows_to_table
+from pipeline.base.flight import as_flight, marked, with_column
 from pipeline.generate.router import Router, has_tools
 from pipeline.generate.sources.registry import SOURCES, source_kind
 
@@ -41,7 +41,7 @@ from pipeline.generate.sources.registry import SOURCES, source_kind
 # queued block and Ray started a worker process for each, then killed it when it idled past the worker pool's
 # soft limit (one per CPU, which the stage actors already fill): measured at 50,000 prompts on 2 cores, 68 worker
 # processes before the first answer, and ~4 started and killed every 10 s after it. An actor asks no CPU either
-# and lives for the pass; each call is a column scan of its block, so a few keep up with any source.
+# and lives for the pass; each call is a column scan of its block, so one keeps up with any source.
 ROUTE_ACTORS = 1
 _PLACEMENT_GROUPS: list[Any] = []  # created in this (driver) process by placement_strategy
 
@@ -141,22 +141,12 @@ def chain_batch_size(batch_size: int, share: float, cap: int = 8) -> int:
 # --------------------------------------------------------------------------- row maps
 
 
-def _flight(batch: pa.Table) -> pa.Table:
-    """``batch`` in ``FLIGHT_SCHEMA`` (a stage's own output already is; anything else is converted once)."""
-    return batch if batch.schema.equals(FLIGHT_SCHEMA) else rows_to_table(batch_to_rows(batch))
-
-
-def _with_column(batch: pa.Table, name: str, values: list[Any]) -> pa.Table:
-    i = batch.schema.get_field_index(name)
-    return batch.set_column(i, FLIGHT_SCHEMA.field(name), pa.array(values, FLIGHT_SCHEMA.field(name).type))
-
-
 def assign_sources(batch: pa.Table, router: Router, overrides: Mapping[str, str] | None = None) -> pa.Table:
     """Write each ok row's source (an override wins: a re-fed re-route); no source -> quarantine.
 
     Reads the four columns routing needs and replaces ``source`` (and the marks of an unroutable row): the
     prompts and answers in the block are never turned into Python objects."""
-    batch = _flight(batch)
+    batch = as_flight(batch)
     overrides = overrides or {}
     status, ids, datasets, tools, sources = (batch.column(c).to_pylist()
                                              for c in ("status", "sample_id", "dataset", "tools", "source"))
@@ -173,7 +163,7 @@ def assign_sources(batch: pa.Table, router: Router, overrides: Mapping[str, str]
                            f"{' prompts with tools' if has_tools(row) else ''}")
         else:
             sources[i] = name
-    batch = _with_column(batch, "source", sources)
+    batch = with_column(batch, "source", sources)
     return marked(batch, lost, "quarantine", "generate", reasons) if lost else batch
 
 
@@ -183,7 +173,7 @@ def close_unserved(batch: pa.Table) -> pa.Table:
     A column scan: the usual block, every ok row generated, passes through as it came."""
     import pyarrow.compute as pc
 
-    batch = _flight(batch)
+    batch = as_flight(batch)
     unserved = pc.fill_null(pc.and_(pc.equal(batch.column("status"), "ok"), pc.is_null(batch.column("output_ids"))),
                             False)
     if not pc.any(unserved).as_py():
