@@ -53,6 +53,22 @@ def test_record_round_trip() -> None:
     assert Record.from_json(none.to_json()) == none
 
 
+def test_a_line_with_numbers_of_the_wrong_type_is_refused_not_counted(tmp_path: Path) -> None:
+    """The counting reader checks the figures it adds up: a foreign line with a string for tokens or cost is
+    skipped loudly, never a TypeError at the sum."""
+    from pipeline.generate.sources.http.journal import journal_totals
+
+    good = rec("s1", billed=10, cost=0.5).to_json()
+    bad = [json.dumps({**json.loads(good), "sample_id": f"x{i}", **patch}).encode() + b"\n"
+           for i, patch in enumerate([{"charged_tokens": "12"}, {"cost": "0.5"}, {"billed_completion_tokens": True}])]
+    path = journal_path(tmp_path, "or", "a1")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(good + b"".join(bad) + good)
+    totals = journal_totals(RunLayout(tmp_path).responses, "or")
+    assert totals.billed == {"d1": 20} and totals.cost == {"d1": 1.0} and set(totals.responded) == {"s1"}
+    assert [r.sample_id for r in iter_journal(path)] == ["s1", "s1"]
+
+
 def test_record_parse_rejects_torn_and_foreign_lines_and_ignores_new_keys() -> None:
     line = rec("s1").to_json()
     with pytest.raises(ValueError):
@@ -231,8 +247,8 @@ def test_journal_totals_parse_the_files_once_while_they_are_unchanged(tmp_path: 
         j.append(rec("s2", kind="gave_up", billed=0, error="HTTP 503"))
         j.append(rec("s3", dataset="d2", kind="billed_failure", billed=5))
     parses = []
-    real = Record.from_json.__func__  # type: ignore[attr-defined]
-    monkeypatch.setattr(Record, "from_json", classmethod(lambda cls, line: parses.append(1) or real(cls, line)))
+    real = http_journal.record_fields
+    monkeypatch.setattr(http_journal, "record_fields", lambda line: parses.append(1) or real(line))
     totals = journal_totals(folder, "or")
     assert totals.billed == {"d1": 100, "d2": 5} and totals.cost["d1"] == pytest.approx(0.1)
     assert totals.gave_up == {"s2": (2, "HTTP 503")} and totals.responded == {"s1": "d1"}

@@ -25,10 +25,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pipeline.base.layout import RunLayout
 
@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - orjson is a declared dependency
     _loads = json.loads
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # response: a served, billed answer; billed_failure: a failed attempt that was (or may have been) billed;
 # gave_up: a run ran out of retries on transient failures for this prompt (bills nothing; counted across runs).
@@ -116,20 +117,35 @@ class Record:
     @classmethod
     def from_json(cls, line: bytes | str) -> Record:
         """Parse one journal line; ValueError for a torn or foreign line (unknown keys are ignored)."""
-        data = _loads(line)
-        if not isinstance(data, dict):
-            raise ValueError("journal line is not an object")
-        missing = [k for k in _REQUIRED if k not in data]
-        if missing:
-            raise ValueError(f"journal line lacks {missing}")
-        if data.get("kind", "response") not in KINDS:
-            raise ValueError(f"unknown record kind {data.get('kind')!r}")
-        rec = cls(**{k: v for k, v in data.items() if k in _FIELD_SET})
-        if not isinstance(rec.sample_id, str) or not isinstance(rec.dataset, str):
-            raise ValueError("sample_id and dataset must be strings")
-        if not isinstance(rec.billed_completion_tokens, int):
-            raise ValueError("billed_completion_tokens must be an integer")
-        return rec
+        data = record_fields(line)
+        return cls(**{k: v for k, v in data.items() if k in _FIELD_SET})
+
+
+def record_fields(line: bytes | str) -> dict[str, Any]:
+    """One journal line's fields, checked as a ``Record`` needs them (ValueError for a torn or foreign line): the
+    parse of ``Record.from_json`` without building the record, for a reader that only counts (``journal_totals``)."""
+    data = _loads(line)
+    if not isinstance(data, dict):
+        raise ValueError("journal line is not an object")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise ValueError(f"journal line lacks {missing}")
+    if data.get("kind", "response") not in KINDS:
+        raise ValueError(f"unknown record kind {data.get('kind')!r}")
+    if not isinstance(data["sample_id"], str) or not isinstance(data["dataset"], str):
+        raise ValueError("sample_id and dataset must be strings")
+    if not _is_int(data.get("billed_completion_tokens", 0)):
+        raise ValueError("billed_completion_tokens must be an integer")
+    if data.get("charged_tokens") is not None and not _is_int(data["charged_tokens"]):
+        raise ValueError("charged_tokens must be an integer or null")
+    cost = data.get("cost", 0.0)
+    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int | float)):
+        raise ValueError("cost must be a number")
+    return data
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _FIELDS = tuple(f.name for f in fields(Record))
@@ -288,8 +304,9 @@ def _os_error_text(e: OSError) -> str:
 # -- reading ------------------------------------------------------------------------
 
 
-def iter_journal(path: str | Path) -> Iterator[Record]:
-    """The records of one journal file in write order; skips a torn last line, and (loudly) any other bad line."""
+def iter_journal(path: str | Path, parse: Callable[[bytes], T] = Record.from_json) -> Iterator[T]:  # type: ignore[assignment]
+    """The records of one journal file in write order (``parse`` of each line: a ``Record`` unless told);
+    skips a torn last line, and (loudly) any other bad line."""
     with open(path, "rb") as fh:
         lines = fh.read().split(b"\n")
     last = len(lines) - 1
@@ -297,7 +314,7 @@ def iter_journal(path: str | Path) -> Iterator[Record]:
         if not line.strip():
             continue
         try:
-            yield Record.from_json(line)
+            yield parse(line)
         except (ValueError, TypeError) as e:
             if i == last:
                 log.info("journal %s: skipping a torn last line (%d bytes)", path, len(line))
@@ -373,18 +390,25 @@ def journal_totals(folder: str | Path, source: str) -> JournalTotals:
     gave_up: dict[str, tuple[int, str]] = {}
     responded: dict[str, str] = {}
     seen: set[str] = set()
-    for rec in _records(folder, source):
-        if rec.kind == "gave_up":
-            n, _ = gave_up.get(rec.sample_id, (0, ""))
-            gave_up[rec.sample_id] = (n + 1, rec.error)
-        elif rec.kind == "response":
-            responded[rec.sample_id] = rec.dataset
-        if rec.generation_id:
-            if rec.generation_id in seen:
+    for path in files:
+        for rec in iter_journal(path, record_fields):  # checked fields, no Record built: ~4x faster
+            if rec["source"] != source:  # "a-*" also matches source "a-b"'s files
                 continue
-            seen.add(rec.generation_id)
-        billed[rec.dataset] = billed.get(rec.dataset, 0) + rec.charged
-        cost[rec.dataset] = cost.get(rec.dataset, 0.0) + float(rec.cost or 0.0)
+            sid, dataset, kind = rec["sample_id"], rec["dataset"], rec.get("kind", "response")
+            if kind == "gave_up":
+                n, _ = gave_up.get(sid, (0, ""))
+                gave_up[sid] = (n + 1, str(rec.get("error") or ""))
+            elif kind == "response":
+                responded[sid] = dataset
+            generation = rec.get("generation_id") or ""
+            if generation:
+                if generation in seen:
+                    continue
+                seen.add(generation)
+            charged = rec.get("charged_tokens")
+            charged = rec.get("billed_completion_tokens", 0) if charged is None else charged
+            billed[dataset] = billed.get(dataset, 0) + max(0, charged)
+            cost[dataset] = cost.get(dataset, 0.0) + float(rec.get("cost") or 0.0)
     totals = JournalTotals(billed, cost, gave_up, responded)
     _TOTALS[key] = (signature, totals)
     return totals
