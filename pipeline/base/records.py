@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute
 import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,48 @@ def read_samples(folder: Path, columns: list[str]) -> tuple[list[dict[str, Any]]
         seen.add(row["sample_id"])
         rows.append(row if want == columns else {c: row[c] for c in columns})
     return rows, dropped
+
+
+def read_sample_table(folder: Path, columns: list[str]) -> tuple[pa.Table, int]:
+    """``read_samples`` as one Arrow table in ``SAMPLE_SCHEMA``'s types: the same checks per shard (plus one: a
+    named column of another type, e.g. a shard written by hand, is ``UnreadableFile`` too), the same first copy of
+    each id kept. Also returns how many copies were left out. For counts over every sample (status at 200,000
+    samples) without a Python row each."""
+    from pipeline.base.config import UnreadableFile
+
+    want = list(columns) if "sample_id" in columns else [*columns, "sample_id"]
+    schema = pa.schema([SAMPLE_SCHEMA.field(c) for c in want])
+    tables = []
+    for f in sorted(Path(folder).glob("*.parquet")):
+        aside = f"move it out of {f.parent} if it does not belong to this run"
+        try:
+            names = pq.read_schema(f).names
+            missing = [c for c in want if c not in names and c not in OPTIONAL_COLUMNS]
+            if missing:
+                raise UnreadableFile(f"{f}: a shard without the columns {missing}; {aside}")
+            t = pq.read_table(f, columns=[c for c in want if c in names])
+        except (pa.ArrowException, OSError) as e:
+            raise UnreadableFile(f"{f}: not a readable parquet file ({' '.join(str(e).split())}); {aside}") from None
+        for c in want:
+            if c not in t.column_names:
+                t = t.append_column(schema.field(c), pa.nulls(t.num_rows, schema.field(c).type))
+        try:
+            tables.append(t.select(want).cast(schema))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise UnreadableFile(f"{f}: a shard whose columns are not of the sample types ({e}); {aside}") from None
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    ids = table.column("sample_id")
+    dropped = 0
+    if len(ids) and pa.compute.count_distinct(ids).as_py() < len(ids):
+        seen: set[str] = set()
+        keep = []
+        for i, sid in enumerate(ids.to_pylist()):
+            if sid not in seen:
+                seen.add(sid)
+                keep.append(i)
+        dropped = len(ids) - len(keep)
+        table = table.take(keep)
+    return (table if want == columns else table.drop_columns(["sample_id"])), dropped
 
 
 def extra_copies(folder: Path) -> tuple[dict[str, str], int]:

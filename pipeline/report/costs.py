@@ -80,6 +80,46 @@ def cost_table(rows: Iterable[Mapping[str, Any]], prices: Mapping[str, float | N
             "by_source": {k: _close(v) for k, v in sorted(by_source.items())}}
 
 
+def cost_table_of(table: Any, prices: Mapping[str, float | None]) -> dict[str, Any]:
+    """``cost_table`` of an Arrow table of samples (``dataset``, ``source``, ``cost``, ``engine_s``, and
+    ``output_ids`` where present), summed per dataset and source by Arrow, one Python step per group: the
+    same figures as the row loop (a cell that is null, NaN or negative counts as 0)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def positive(name: str) -> Any:
+        if name not in table.column_names:
+            return pa.nulls(table.num_rows, pa.float64()).fill_null(0.0)
+        x = pc.cast(table.column(name), pa.float64())
+        ok = pc.fill_null(pc.and_(pc.is_finite(x), pc.greater(x, 0.0)), False)
+        return pc.if_else(ok, x, 0.0)
+
+    tokens = (pc.fill_null(pc.list_value_length(table.column("output_ids")), 0).cast(pa.int64())
+              if "output_ids" in table.column_names else pa.nulls(table.num_rows, pa.int64()).fill_null(0))
+    parts = pa.table({"dataset": pc.fill_null(table.column("dataset"), ""),
+                      "source": pc.fill_null(table.column("source"), ""),
+                      "cost": positive("cost"), "hours": pc.divide(positive("engine_s"), 3600.0), "tokens": tokens})
+    groups = parts.group_by(["dataset", "source"], use_threads=False).aggregate(
+        [("cost", "sum"), ("hours", "sum"), ("tokens", "sum"), ("cost", "count")]).to_pylist()
+    by_dataset: dict[str, dict[str, Any]] = {}
+    by_source: dict[str, dict[str, Any]] = {}
+    total = _empty()
+    for g in groups:
+        price = prices.get(g["source"])
+        for acc in (by_dataset.setdefault(g["dataset"], _empty()), by_source.setdefault(g["source"], _empty()),
+                    total):
+            acc["samples"] += g["cost_count"]
+            acc["output_tokens"] += g["tokens_sum"]
+            acc["billed_usd"] += g["cost_sum"]
+            acc["device_hours"] += g["hours_sum"]
+            if price is None:
+                acc["unpriced_device_hours"] += g["hours_sum"]
+            else:
+                acc["engine_usd"] += g["hours_sum"] * price
+    return {"total": _close(total), "by_dataset": {k: _close(v) for k, v in sorted(by_dataset.items())},
+            "by_source": {k: _close(v) for k, v in sorted(by_source.items())}}
+
+
 def cost_line(name: str, c: Mapping[str, Any]) -> str:
     """``shop: $0.0123 billed + 0.012 device-h ($0.024) = $0.036, 120 samples ($0.30/1k)`` -- one text line."""
     parts = []

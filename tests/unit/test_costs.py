@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.base.config import SGLangSourceConfig, TransformersSourceConfig, VLLMSourceConfig
 from pipeline.generate.sources.engines.base import busy_shares
-from pipeline.report.costs import cost_line, cost_table, engine_prices, sample_usd
+from pipeline.report.costs import cost_line, cost_table, cost_table_of, engine_prices, sample_usd
 
 
 def test_busy_time_is_split_by_tokens_and_adds_up():
@@ -120,3 +120,49 @@ def test_status_and_report_give_spend_per_dataset_priced_by_the_source(repo_root
     two = {"by_dataset": s["costs"]["by_dataset"], "by_source": {"a": s["costs"]["total"], "b": s["costs"]["total"]}}
     assert [line.split(":")[0] for line in cost_lines(two)] == ["  cost by dataset", "  cost by source"]
     assert cost_lines(None) == [] and cost_lines({"by_dataset": "junk"}) == []
+
+
+def test_the_arrow_reading_and_cost_table_agree_with_the_row_ones(tmp_path):
+    """status reads samples as one Arrow table (read_sample_table, cost_table_of): the same first copy of each
+    id, the same count of copies left out and the same spend as read_samples and cost_table over rows, with
+    nulls, NaN, negatives, an old shard without engine_s and an id written in two shards."""
+    import pyarrow as pa
+
+    from pipeline.base.config import UnreadableFile
+    from pipeline.base.records import SAMPLE_SCHEMA, read_sample_table, read_samples
+
+    cols = ["sample_id", "dataset", "source", "billed_completion_tokens", "cost", "engine_s", "output_ids"]
+    schema = pa.schema([SAMPLE_SCHEMA.field(c) for c in cols])
+    first = [{"sample_id": f"s{i}", "dataset": "shop" if i % 3 else "math", "source": ["api", "gpu", None][i % 3],
+              "billed_completion_tokens": [12, -1, None][i % 3], "cost": [0.25, None, float("nan"), -1.0][i % 4],
+              "engine_s": [0.0, 900.0, None][i % 3], "output_ids": [[1] * (i % 5), None][i % 7 == 0]}
+             for i in range(40)]
+    _shard(tmp_path / "samples" / "a.parquet", first, schema)
+    again = [dict(first[3], cost=99.0), {**first[0], "sample_id": "t0", "engine_s": 7200.0}]
+    _shard(tmp_path / "samples" / "b.parquet", again, schema)  # s3 again (left out), one new id
+    old = [{"sample_id": "u0", "dataset": "math", "source": "gpu", "billed_completion_tokens": 3, "cost": 0.5,
+            "output_ids": [1, 2]}]
+    _shard(tmp_path / "samples" / "c.parquet", old, pa.schema([f for f in schema if f.name != "engine_s"]))
+    rows, dropped = read_samples(tmp_path / "samples", cols)
+    table, dropped_t = read_sample_table(tmp_path / "samples", cols)
+    assert dropped == dropped_t == 1 and len(rows) == table.num_rows == 42
+    def same(a, b):
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+    for r, t in zip(rows, table.to_pylist(), strict=True):
+        assert r.keys() == t.keys() and all(same(r[k], t[k]) for k in r), (r, t)
+    prices = {"gpu": 2.0, "cpu": None}
+    want, got = cost_table(rows, prices), cost_table_of(table, prices)
+    assert got.keys() == want.keys() and got["by_dataset"].keys() == want["by_dataset"].keys()
+    for part in ("by_dataset", "by_source"):
+        assert got[part].keys() == want[part].keys()
+        for name in want[part]:
+            assert got[part][name] == pytest.approx(want[part][name])
+    assert got["total"] == pytest.approx(want["total"])
+    no_ids, _ = read_sample_table(tmp_path / "samples", ["dataset", "cost"])
+    assert no_ids.column_names == ["dataset", "cost"]
+    _shard(tmp_path / "samples" / "d.parquet", [{"sample_id": "v", "dataset": "d", "source": "s",
+                                                 "billed_completion_tokens": "many", "cost": 0.1, "engine_s": 0.0,
+                                                 "output_ids": None}])
+    with pytest.raises(UnreadableFile, match="d.parquet: a shard whose columns are not of the sample types"):
+        read_sample_table(tmp_path / "samples", cols)
