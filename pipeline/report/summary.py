@@ -18,10 +18,10 @@ from pipeline.base.config import ChecksConfig, DatasetConfig
 from pipeline.base.console import GenerateSnapshot
 from pipeline.base.flight import output_len
 from pipeline.base.layout import RunLayout
-from pipeline.base.records import read_rows, read_samples
+from pipeline.base.records import read_rows, read_sample_table
 from pipeline.checks.audit import AuditAccumulator, summary_lines
 from pipeline.checks.validate import Verdict
-from pipeline.report.costs import cost_lines, cost_table
+from pipeline.report.costs import cost_lines, cost_table_of
 from pipeline.report.throughput import record as record_throughput
 
 
@@ -107,36 +107,49 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout,
               prices: Mapping[str, float | None] | None = None) -> dict[str, Any]:
     """Figures over everything written for this run (including earlier, resumed attempts). ``prices``: dollars
     per device-hour of each engine source (``pipeline.report.costs.engine_prices``) for the spend per dataset."""
-    samples, dropped = read_samples(layout.samples, ["sample_id", "dataset", "output_ids", "checks_flagged",
-                                                     "source", "cost", "engine_s"])
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    # one Arrow table: the token ids of 200,000 samples are counted, never turned into Python lists
+    samples, dropped = read_sample_table(layout.samples, ["sample_id", "dataset", "output_ids", "checks_flagged",
+                                                          "source", "cost", "engine_s"])
     quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage", "reason"])
-    passed_ids = {r["sample_id"] for r in samples}
-    q_ids = {r["sample_id"] for r in quarantine if r["sample_id"] not in passed_ids}
+    also_passed = (pc.is_in(pa.array([r["sample_id"] for r in quarantine], pa.string()),
+                            value_set=samples.column("sample_id").combine_chunks()).to_pylist() if quarantine else [])
+    q_ids = {r["sample_id"] for r, passed in zip(quarantine, also_passed, strict=True) if not passed}
     rows_in = sum(v for k, v in counts.items() if k.endswith(".rows"))
     datasets = sorted(k.rsplit(".", 1)[0] for k in counts if k.endswith(".rows"))
+    passed_by = _counts(samples.column("dataset"))
     # Extraction may quarantine a sample already written as passed: it stays counted as passed
     # generation and shows up under quarantine_by_stage.extract.
     return {
         "rows_in": rows_in,
-        "passed": len(passed_ids),
+        "passed": samples.num_rows,
         "quarantined": len(q_ids),
         "not_generated": tally.status["not_generated"],
         "quarantine_by_stage": dict(Counter(r["stage"] for r in quarantine)),
         "quarantine_reasons": dict(Counter(_reason_key(r["reason"]) for r in quarantine).most_common(10)),
-        "flagged": dict(Counter(c for r in samples for c in r["checks_flagged"])),
-        "tokens_generated": sum(len(r["output_ids"]) for r in samples),
+        "flagged": _counts(pc.list_flatten(samples.column("checks_flagged"))),
+        "tokens_generated": int(pc.sum(pc.list_value_length(samples.column("output_ids"))).as_py() or 0),
         "duplicates_in_shards": dropped,  # extra copies in samples/, each counted (and trained on) once
         "this_attempt": {"samples": tally.done, "resumed_done": counts["resumed_done"],
                          "duplicates_skipped": tally.duplicates,
                          "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6)},
         "audit": tally.audit.report(),
-        "costs": cost_table(samples, prices or {}),  # every sample written, resumed attempts included
+        "costs": cost_table_of(samples, prices or {}),  # every sample written, resumed attempts included
         "by_dataset": {
-            d: {"rows": counts[f"{d}.rows"], "passed": sum(r["dataset"] == d for r in samples),
+            d: {"rows": counts[f"{d}.rows"], "passed": passed_by.get(d, 0),
                 "quarantined": sum(r["dataset"] == d and r["sample_id"] in q_ids for r in quarantine)}
             for d in datasets
         },
     }
+
+
+def _counts(values: Any) -> dict[str, int]:
+    """value -> how many times, of an Arrow array (nulls left out), as ``Counter`` gave them."""
+    import pyarrow.compute as pc
+
+    return {r["values"]: r["counts"] for r in pc.value_counts(values).to_pylist() if r["values"] is not None}
 
 
 def source_report(sources: list[Any], tally: Tally) -> dict[str, dict[str, Any]]:
