@@ -131,6 +131,20 @@ def _read_shard(path: Path, columns: list[str]) -> list[dict[str, Any]]:
         raise UnreadableFile(f"{path}: not a readable parquet file ({' '.join(str(e).split())}); {aside}") from None
 
 
+def read_ids(folder: Path) -> set[str]:
+    """The ``sample_id`` of every shard in a folder, read as one column per shard (no row dicts): what a resume
+    and the shard writer know is done. A shard that does not read fails as ``read_rows`` fails on it."""
+    out: set[str] = set()
+    for f in sorted(Path(folder).glob("*.parquet")):
+        try:
+            column = pq.read_table(f, columns=["sample_id"]).column("sample_id")
+        except (pa.ArrowException, OSError, KeyError):
+            _read_shard(f, ["sample_id"])  # raises UnreadableFile naming the file
+            raise
+        out.update(column.to_pylist())
+    return out
+
+
 def read_samples(folder: Path, columns: list[str]) -> tuple[list[dict[str, Any]], int]:
     """Like ``read_rows``, but one row per sample_id (a sample written twice counts once in spend, counts and
     training): the first in file-name order, then row order, so every reader keeps the same copy. Also

@@ -16,7 +16,7 @@ import pyarrow as pa
 from pipeline.base.config import ChecksConfig, PoolConfig
 from pipeline.base.flight import as_flight, batch_to_rows, mark, marked, rows_to_table, tally_of
 from pipeline.base.layout import RunLayout, atomic_write_table, shard_name
-from pipeline.base.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, empty_sample, quarantine_row, read_rows
+from pipeline.base.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, empty_sample, quarantine_row, read_ids
 from pipeline.checks.validate import annotate, quarantine_reason, validate_sample
 from pipeline.profiles import load_profile
 
@@ -109,8 +109,7 @@ class WriteShards:
         self.quarantine.mkdir(parents=True, exist_ok=True)
         self.lock_path, self.token = lock_path, token
         self.written: set[str] = set() if done_ids is None else set(done_ids)
-        self.written.update(r["sample_id"] for folder in (self.samples, self.quarantine)
-                            for r in read_rows(folder, ["sample_id"]))
+        self.written.update(read_ids(self.samples) | read_ids(self.quarantine))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Columns in, columns out: only ``status`` and ``sample_id`` become Python objects (the rows of a

@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.base.layout import RunLayout, atomic_write_table
-from pipeline.base.records import QUARANTINE_SCHEMA, quarantine_row, read_rows
+from pipeline.base.records import QUARANTINE_SCHEMA, quarantine_row, read_ids
 from pipeline.prompts.datasets import check_dataset, iter_dataset, warn_empty
 
 if TYPE_CHECKING:
@@ -59,20 +58,9 @@ READ_BLOCK_BYTES = 4 * 2**20  # malformed or worn-out rows an index task holds b
 
 
 def read_finished_ids(layout: RunLayout) -> set[str]:
-    """Sample ids in samples/ and quarantine/: the ``sample_id`` column of each shard, read alone.
-
-    A shard that does not read (not Parquet, no ``sample_id``) fails as ``records.read_rows`` fails on it:
-    the same ``UnreadableFile`` naming the file, which read_rows itself raises."""
-    out: set[str] = set()
-    for folder in (layout.samples, layout.quarantine):
-        for f in sorted(Path(folder).glob("*.parquet")):
-            try:
-                column = pq.read_table(f, columns=["sample_id"]).column("sample_id")
-            except (pa.ArrowException, OSError, KeyError):
-                read_rows(folder, ["sample_id"])  # raises UnreadableFile for the first shard that fails
-                raise
-            out.update(column.to_pylist())
-    return out
+    """Sample ids in samples/ and quarantine/: the ``sample_id`` column of each shard, read alone
+    (``records.read_ids``; a shard that does not read fails with the ``UnreadableFile`` naming it)."""
+    return read_ids(layout.samples) | read_ids(layout.quarantine)
 
 
 def check_prompt_files(cfg: RunConfig) -> None:
