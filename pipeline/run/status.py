@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute
+import pyarrow.compute as pc
 
 from pipeline.base.config import RunConfig
 from pipeline.base.layout import RunLayout, last_json_line
@@ -42,8 +42,6 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
 def dataset_status(cfg: RunConfig, samples: pa.Table, quarantine: list[dict[str, Any]]) -> dict:
     """Per configured dataset: rows, passed, quarantined (by stage; an id that also passed counts as passed)
     and to do. ``samples`` holds one row per sample id (``read_sample_table``)."""
-    import pyarrow.compute as pc
-
     passed = {r["values"]: r["counts"] for r in pc.value_counts(samples.column("dataset")).to_pylist()}
     ids = samples.column("sample_id")
     q_ids = pa.array([r["sample_id"] for r in quarantine], pa.string())
@@ -62,8 +60,6 @@ def dataset_status(cfg: RunConfig, samples: pa.Table, quarantine: list[dict[str,
 
 
 def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]:
-    import pyarrow.compute as pc
-
     from pipeline.generate.ledger import read_journal
     from pipeline.generate.sources.http.journal import journal_totals
     from pipeline.generate.sources.registry import spending_sources
@@ -150,7 +146,7 @@ def collect_status(cfg: RunConfig) -> dict[str, Any]:
         "output_dir": str(out),
         "totals": {k: sum(d[k] for d in datasets.values()) for k in ("rows", "passed", "quarantined", "to_do")},
         "datasets": datasets,
-        "samples_by_source": {r["values"]: r["counts"] for r in pa.compute.value_counts(samples.column("source"))
+        "samples_by_source": {r["values"]: r["counts"] for r in pc.value_counts(samples.column("source"))
                               .to_pylist()},
         "duplicates_in_shards": dropped,
         "spend": spend_status(cfg, out, samples),
