@@ -113,22 +113,27 @@ def read_rows(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
 
 
 def _read_shard(path: Path, columns: list[str]) -> list[dict[str, Any]]:
+    return _shard_table(path, columns).to_pylist()
+
+
+def _shard_table(path: Path, columns: list[str]) -> pa.Table:
+    """One shard's named columns, in that order; an absent ``OPTIONAL_COLUMNS`` one reads as nulls. Anything
+    else that does not read is ``UnreadableFile`` naming the file."""
     from pipeline.base.config import UnreadableFile
 
     aside = f"move it out of {path.parent} if it does not belong to this run"
     try:
         names = pq.read_schema(path).names
-        absent = [c for c in columns if c not in names]
-        missing = [c for c in absent if c not in OPTIONAL_COLUMNS]
+        missing = [c for c in columns if c not in names and c not in OPTIONAL_COLUMNS]
         if missing:
             raise UnreadableFile(f"{path}: a shard without the columns {missing}; {aside}")
-        rows = pq.read_table(path, columns=[c for c in columns if c in names]).to_pylist()
-        if absent:
-            for r in rows:
-                r.update(dict.fromkeys(absent))
-        return rows
+        table = pq.read_table(path, columns=[c for c in columns if c in names])
     except (pa.ArrowException, OSError) as e:
         raise UnreadableFile(f"{path}: not a readable parquet file ({' '.join(str(e).split())}); {aside}") from None
+    for c in columns:
+        if c not in table.column_names:
+            table = table.append_column(c, pa.nulls(table.num_rows))
+    return table.select(columns)
 
 
 def read_ids(folder: Path) -> set[str]:
@@ -162,6 +167,11 @@ def read_samples(folder: Path, columns: list[str]) -> tuple[list[dict[str, Any]]
     return rows, dropped
 
 
+def count_values(values: Any) -> dict[Any, int]:
+    """value -> how many times, of an Arrow array, in first-seen order (what ``Counter`` gave over rows)."""
+    return {r["values"]: r["counts"] for r in pa.compute.value_counts(values).to_pylist()}
+
+
 def read_sample_table(folder: Path, columns: list[str]) -> tuple[pa.Table, int]:
     """``read_samples`` as one Arrow table in ``SAMPLE_SCHEMA``'s types: the same checks per shard (plus one: a
     named column of another type, e.g. a shard written by hand, is ``UnreadableFile`` too), the same first copy of
@@ -173,22 +183,11 @@ def read_sample_table(folder: Path, columns: list[str]) -> tuple[pa.Table, int]:
     schema = pa.schema([SAMPLE_SCHEMA.field(c) for c in want])
     tables = []
     for f in sorted(Path(folder).glob("*.parquet")):
-        aside = f"move it out of {f.parent} if it does not belong to this run"
         try:
-            names = pq.read_schema(f).names
-            missing = [c for c in want if c not in names and c not in OPTIONAL_COLUMNS]
-            if missing:
-                raise UnreadableFile(f"{f}: a shard without the columns {missing}; {aside}")
-            t = pq.read_table(f, columns=[c for c in want if c in names])
-        except (pa.ArrowException, OSError) as e:
-            raise UnreadableFile(f"{f}: not a readable parquet file ({' '.join(str(e).split())}); {aside}") from None
-        for c in want:
-            if c not in t.column_names:
-                t = t.append_column(schema.field(c), pa.nulls(t.num_rows, schema.field(c).type))
-        try:
-            tables.append(t.select(want).cast(schema))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise UnreadableFile(f"{f}: a shard whose columns are not of the sample types ({e}); {aside}") from None
+            tables.append(_shard_table(f, want).cast(schema))
+        except pa.ArrowException as e:  # a cast that cannot be made: a column of another type
+            raise UnreadableFile(f"{f}: a shard whose columns are not of the sample types ({e}); move it out of "
+                                 f"{f.parent} if it does not belong to this run") from None
     table = pa.concat_tables(tables) if tables else schema.empty_table()
     ids = table.column("sample_id")
     dropped = 0

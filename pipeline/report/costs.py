@@ -43,11 +43,16 @@ def _empty() -> dict[str, Any]:
 
 
 def _add(acc: dict[str, Any], row: Mapping[str, Any], price: float | None) -> None:
-    hours = _num(row.get("engine_s")) / 3600.0
-    acc["samples"] += 1
     out = row.get("output_ids")
-    acc["output_tokens"] += len(out) if out is not None else 0
-    acc["billed_usd"] += _num(row.get("cost"))
+    _add_sums(acc, 1, len(out) if out is not None else 0, _num(row.get("cost")), _num(row.get("engine_s")) / 3600.0,
+              price)
+
+
+def _add_sums(acc: dict[str, Any], samples: int, tokens: int, usd: float, hours: float, price: float | None) -> None:
+    """Add one sample's figures (or a group's sums) to an accumulator; engine hours priced only where priced."""
+    acc["samples"] += samples
+    acc["output_tokens"] += tokens
+    acc["billed_usd"] += usd
     acc["device_hours"] += hours
     if price is None:
         acc["unpriced_device_hours"] += hours
@@ -108,14 +113,7 @@ def cost_table_of(table: Any, prices: Mapping[str, float | None]) -> dict[str, A
         price = prices.get(g["source"])
         for acc in (by_dataset.setdefault(g["dataset"], _empty()), by_source.setdefault(g["source"], _empty()),
                     total):
-            acc["samples"] += g["cost_count"]
-            acc["output_tokens"] += g["tokens_sum"]
-            acc["billed_usd"] += g["cost_sum"]
-            acc["device_hours"] += g["hours_sum"]
-            if price is None:
-                acc["unpriced_device_hours"] += g["hours_sum"]
-            else:
-                acc["engine_usd"] += g["hours_sum"] * price
+            _add_sums(acc, g["cost_count"], g["tokens_sum"], g["cost_sum"], g["hours_sum"], price)
     return {"total": _close(total), "by_dataset": {k: _close(v) for k, v in sorted(by_dataset.items())},
             "by_source": {k: _close(v) for k, v in sorted(by_source.items())}}
 

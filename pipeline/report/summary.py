@@ -18,7 +18,7 @@ from pipeline.base.config import ChecksConfig, DatasetConfig
 from pipeline.base.console import GenerateSnapshot
 from pipeline.base.flight import output_len
 from pipeline.base.layout import RunLayout
-from pipeline.base.records import read_rows, read_sample_table
+from pipeline.base.records import count_values, read_rows, read_sample_table
 from pipeline.checks.audit import AuditAccumulator, summary_lines
 from pipeline.checks.validate import Verdict
 from pipeline.report.costs import cost_lines, cost_table_of
@@ -119,7 +119,7 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout,
     q_ids = {r["sample_id"] for r, passed in zip(quarantine, also_passed, strict=True) if not passed}
     rows_in = sum(v for k, v in counts.items() if k.endswith(".rows"))
     datasets = sorted(k.rsplit(".", 1)[0] for k in counts if k.endswith(".rows"))
-    passed_by = _counts(samples.column("dataset"))
+    passed_by = count_values(samples.column("dataset"))
     # Extraction may quarantine a sample already written as passed: it stays counted as passed
     # generation and shows up under quarantine_by_stage.extract.
     return {
@@ -129,7 +129,7 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout,
         "not_generated": tally.status["not_generated"],
         "quarantine_by_stage": dict(Counter(r["stage"] for r in quarantine)),
         "quarantine_reasons": dict(Counter(_reason_key(r["reason"]) for r in quarantine).most_common(10)),
-        "flagged": _counts(pc.list_flatten(samples.column("checks_flagged"))),
+        "flagged": count_values(pc.list_flatten(samples.column("checks_flagged"))),
         "tokens_generated": int(pc.sum(pc.list_value_length(samples.column("output_ids"))).as_py() or 0),
         "duplicates_in_shards": dropped,  # extra copies in samples/, each counted (and trained on) once
         "this_attempt": {"samples": tally.done, "resumed_done": counts["resumed_done"],
@@ -143,13 +143,6 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout,
             for d in datasets
         },
     }
-
-
-def _counts(values: Any) -> dict[str, int]:
-    """value -> how many times, of an Arrow array (nulls left out), as ``Counter`` gave them."""
-    import pyarrow.compute as pc
-
-    return {r["values"]: r["counts"] for r in pc.value_counts(values).to_pylist() if r["values"] is not None}
 
 
 def source_report(sources: list[Any], tally: Tally) -> dict[str, dict[str, Any]]:

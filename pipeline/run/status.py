@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from pipeline.base.config import RunConfig
 from pipeline.base.layout import RunLayout, last_json_line
-from pipeline.base.records import read_rows, read_sample_table
+from pipeline.base.records import count_values, read_rows, read_sample_table
 from pipeline.prompts.datasets import count_rows
 from pipeline.report.costs import cost_lines, cost_table_of, engine_prices
 from pipeline.report.summary import heldout_breakdown_lines
@@ -42,7 +42,7 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
 def dataset_status(cfg: RunConfig, samples: pa.Table, quarantine: list[dict[str, Any]]) -> dict:
     """Per configured dataset: rows, passed, quarantined (by stage; an id that also passed counts as passed)
     and to do. ``samples`` holds one row per sample id (``read_sample_table``)."""
-    passed = {r["values"]: r["counts"] for r in pc.value_counts(samples.column("dataset")).to_pylist()}
+    passed = count_values(samples.column("dataset"))
     ids = samples.column("sample_id")
     q_ids = pa.array([r["sample_id"] for r in quarantine], pa.string())
     also_passed = pc.is_in(q_ids, value_set=ids.combine_chunks()).to_pylist() if len(quarantine) else []
@@ -146,8 +146,7 @@ def collect_status(cfg: RunConfig) -> dict[str, Any]:
         "output_dir": str(out),
         "totals": {k: sum(d[k] for d in datasets.values()) for k in ("rows", "passed", "quarantined", "to_do")},
         "datasets": datasets,
-        "samples_by_source": {r["values"]: r["counts"] for r in pc.value_counts(samples.column("source"))
-                              .to_pylist()},
+        "samples_by_source": count_values(samples.column("source")),
         "duplicates_in_shards": dropped,
         "spend": spend_status(cfg, out, samples),
         "costs": cost_table_of(samples, engine_prices(cfg.sources)),  # dollars and device-hours per dataset
