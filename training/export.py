@@ -118,10 +118,9 @@ def load_exported(export_dir: str | Path, target_dir: str | Path | TargetParts |
     with torch.no_grad():
         drafter.embed_tokens.weight.zero_()
         if target_dir is not None:
-            from training.target import TargetParts, load_target_parts
+            from training.target import as_target_parts
 
-            parts = target_dir if isinstance(target_dir, TargetParts) else load_target_parts(target_dir)
-            drafter.embed_tokens.weight.copy_(parts.embed_tokens)
+            drafter.embed_tokens.weight.copy_(as_target_parts(target_dir).embed_tokens)
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     if missing != ["embed_tokens.weight"] or unexpected:
         raise KeyError(f"export mismatch: missing {missing}, unexpected {unexpected}")

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 if TYPE_CHECKING:
     from training.simulate import RowCounts
+    from training.target import TargetParts
 
 FEW_DRAFTS = 30  # a group with fewer drafts gets its figure marked ``few``: its standard error is itself unsure
 UNKNOWN = "unknown"  # the group of a row whose sample is not found (or names no dataset / source)
@@ -98,7 +99,7 @@ def sample_label(row: Mapping[str, Any], labels: Mapping[str, Mapping[str, Any]]
     return str(value) if value else UNKNOWN
 
 
-def heldout_acceptance(export_dir: str | Path, target_dir: str | Path, rows: Sequence[dict], k: int,
+def heldout_acceptance(export_dir: str | Path, target_dir: str | Path | TargetParts, rows: Sequence[dict], k: int,
                        labels: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Simulated greedy acceptance of the exported drafter on extraction rows it never trained on, overall and
     per dataset and source (``labels``: sample id -> its ``dataset`` and ``source``; hidden rows carry neither).
@@ -110,11 +111,11 @@ def heldout_acceptance(export_dir: str | Path, target_dir: str | Path, rows: Seq
 
     from training.export import load_exported
     from training.simulate import row_counts, stats_from_counts
-    from training.target import load_target_parts
+    from training.target import as_target_parts
 
     if not rows:
         return {"samples": 0, "k": k, "skipped": "no held-out samples (raise training.heldout_fraction)"}
-    target = load_target_parts(target_dir)  # once: embeddings for the drafter, lm_head for verification
+    target = as_target_parts(target_dir)  # once: embeddings for the drafter, lm_head for verification
     drafter = load_exported(export_dir, target)
     with torch.no_grad():
         counts = row_counts(drafter, rows, target.lm_head, k=k)

@@ -120,6 +120,13 @@ def load_target_parts(target_dir: str | Path) -> TargetParts:
     return TargetParts(config=config, embed_tokens=embed, lm_head=lm_head, final_norm=get(NORM_KEY))
 
 
+def as_target_parts(target: str | Path | TargetParts) -> TargetParts:
+    """``target`` itself when already loaded, else its parts read from the folder: the callers that need the
+    parts twice in one process (train, export, held-out measure) pass them on instead of reading ~2 x V x H
+    floats again (4.7 GB each for Kimi-K2.5's embeddings and lm_head in float32)."""
+    return target if isinstance(target, TargetParts) else load_target_parts(target)
+
+
 @torch.no_grad()
 def greedy_ids(final_hidden: torch.Tensor, lm_head: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """Target argmax over the full vocab, chunked over positions to bound the (T, V) logits."""

@@ -28,7 +28,7 @@ from training.config import DraftTrainConfig, resolve_aux_layer_ids
 from training.data import Batch, batches, shuffled, to_sample
 from training.loss import TTTObjective, TTTOutput
 from training.model import Eagle3Drafter, build_drafter
-from training.target import TargetParts, greedy_ids, load_target_parts
+from training.target import TargetParts, as_target_parts, greedy_ids, read_target_config
 from training.trackers import open_trackers
 from training.vocab import VocabMapping, build_vocab_mapping
 
@@ -42,11 +42,13 @@ RUN_NAME = "drafter"
 
 @dataclass
 class TrainResult:
-    """Outcome of `train_drafter`."""
+    """Outcome of `train_drafter`. ``target``: the target's parts the export was built with, for a caller that
+    measures the drafter next (held-out acceptance) without reading them again."""
 
     checkpoint_path: Path
     export_dir: Path
     metrics: dict = field(default_factory=dict)
+    target: TargetParts | None = field(default=None, repr=False)
 
 
 def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
@@ -202,7 +204,7 @@ def _truncate_log(path: Path, last_step: int) -> None:
 
 def train_loop(
     cfg: DraftTrainConfig,
-    target_dir: str | Path,
+    target_dir: str | Path | TargetParts,
     out_dir: str | Path,
     rows_fn: RowsFn,
     vocab: VocabMapping,
@@ -216,14 +218,15 @@ def train_loop(
 ) -> tuple[Eagle3Drafter, dict]:
     """Train in this process (one DDP rank when world_size > 1). Returns (drafter, last metrics).
 
-    `rows_fn(epoch)` yields this rank's rows in a stable order. Checkpoints are written to a temp
+    `target_dir`: the target's folder, or its parts already loaded. `rows_fn(epoch)` yields this rank's rows
+    in a stable order. Checkpoints are written to a temp
     dir and handed to `checkpoint_sink` (default: `out_dir/checkpoints`); `after_step(step)` runs
     after each optimizer step and checkpoint (tests use it to interrupt a run)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(device)
     sink = checkpoint_sink or LocalCheckpoints(out_dir / "checkpoints", cfg.keep_checkpoints)
-    target = load_target_parts(target_dir)
+    target = as_target_parts(target_dir)
     drafter = prepare_drafter(cfg, target, vocab).to(device)
     lm_head_draft = target.lm_head[vocab.draft_ids].to(device)
     objective: torch.nn.Module = TTTObjective(drafter, lm_head_draft, cfg.ttt_steps, cfg.step_decay,
@@ -376,13 +379,13 @@ def train_drafter(
     out_dir.mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False)
-    target = load_target_parts(target_dir)
+    target_config = read_target_config(target_dir)  # the workers load the parts; the driver once, after the fit
     ds = as_dataset(dataset_or_rows)
     if cfg.materialize:
         ds = ds.materialize()
     vocab_path = out_dir / VOCAB_FILE
     if not vocab_path.exists():
-        vocab = vocab or vocab_from_dataset(ds, target.vocab_size, cfg.draft_vocab_size)
+        vocab = vocab or vocab_from_dataset(ds, int(target_config["vocab_size"]), cfg.draft_vocab_size)
         save_vocab(vocab, vocab_path)
     # Ray's default_ingest_options() as it is minus exclude_resources, which Ray deprecates (and warns about when
     # default_ingest_options passes it on); stable shard order -> exact resume
@@ -411,18 +414,20 @@ def train_drafter(
     if result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint: {result.error}")
     ckpt_path = Path(result.checkpoint.path)
-    drafter = load_drafter_checkpoint(ckpt_path, target_dir)
+    target = as_target_parts(target_dir)
+    drafter = load_drafter_checkpoint(ckpt_path, target)
     export_dir = export_draft(drafter, out_dir / "export", target_config=target.config)
-    return TrainResult(checkpoint_path=ckpt_path, export_dir=export_dir, metrics=dict(result.metrics or {}))
+    return TrainResult(checkpoint_path=ckpt_path, export_dir=export_dir, metrics=dict(result.metrics or {}),
+                       target=target)
 
 
-def load_drafter_checkpoint(ckpt_dir: str | Path, target_dir: str | Path) -> Eagle3Drafter:
-    """Rebuild the drafter of a training checkpoint (embeddings from the target)."""
+def load_drafter_checkpoint(ckpt_dir: str | Path, target_dir: str | Path | TargetParts) -> Eagle3Drafter:
+    """Rebuild the drafter of a training checkpoint (embeddings from the target's folder or loaded parts)."""
     from training.checkpoint import load_drafter_tensors, read_state
 
     state = read_state(Path(ckpt_dir))
     cfg = DraftTrainConfig.model_validate(state["config"])
-    target = load_target_parts(target_dir)
+    target = as_target_parts(target_dir)
     tensors = load_file(str(Path(ckpt_dir) / "model.safetensors"))
     vocab = VocabMapping(d2t=tensors["d2t"], t2d=tensors["t2d"])
     drafter = prepare_drafter(cfg.model_copy(update={"aux_layer_ids": state["aux_layer_ids"]}), target, vocab)

@@ -202,7 +202,7 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
                 # stream mode: a second, small extraction pass (one more engine start-up); shards: a re-read
                 with placement_groups_released():
                     held = h.hidden_rows(keep_heldout=True).take_all()
-                result["heldout"] = heldout_acceptance(res.export_dir, cfg.model.path, held, tcfg.eval_k,
+                result["heldout"] = heldout_acceptance(res.export_dir, res.target or cfg.model.path, held, tcfg.eval_k,
                                                        sample_labels(layout, [r["sample_id"] for r in held]))
             timings.add("heldout_eval", t0)
             if tcfg.served_eval:

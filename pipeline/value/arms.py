@@ -177,7 +177,7 @@ def train_arm(arm: Arm, *, train_cfg: dict[str, Any], target_dir: str, hidden_di
     from training.config import DraftTrainConfig
     from training.export import export_draft
     from training.heldout import heldout_acceptance, is_held_out
-    from training.target import read_target_config
+    from training.target import load_target_parts
     from training.train import load_vocab, save_vocab, train_loop
     from training.vocab import build_vocab_mapping
 
@@ -193,23 +193,23 @@ def train_arm(arm: Arm, *, train_cfg: dict[str, Any], target_dir: str, hidden_di
     def trains(sid: str) -> bool:
         return arm_trains(arm, sid, datasets, heldout_fraction)
 
-    target_cfg = read_target_config(target_dir)
+    target = load_target_parts(target_dir)  # once for training, export and the held-out measure
     vocab_path = out / "vocab.safetensors"
     if vocab_path.exists():
         vocab = load_vocab(vocab_path)
     else:
-        vocab = build_vocab_mapping(_rows(hidden_dir, trains), target_cfg["vocab_size"], cfg.draft_vocab_size)
+        vocab = build_vocab_mapping(_rows(hidden_dir, trains), target.vocab_size, cfg.draft_vocab_size)
         save_vocab(vocab, vocab_path)
     latest = LocalCheckpoints(out / "checkpoints", cfg.keep_checkpoints).latest()
-    drafter, _ = train_loop(cfg, target_dir, out, lambda epoch: _rows(hidden_dir, trains), vocab,
+    drafter, _ = train_loop(cfg, target, out, lambda epoch: _rows(hidden_dir, trains), vocab,
                             resume_from=latest, device=device)
-    export_dir = export_draft(drafter.cpu(), out / "export", target_config=target_cfg)
+    export_dir = export_draft(drafter.cpu(), out / "export", target_config=target.config)
     held = []
     for r in _rows(hidden_dir, lambda sid: is_held_out(sid, heldout_fraction)):
         held.append(r)
         if len(held) >= heldout_max:
             break
-    heldout = heldout_acceptance(export_dir, target_dir, held, cfg.eval_k, labels)
+    heldout = heldout_acceptance(export_dir, target, held, cfg.eval_k, labels)
     final = last_metrics(out / "metrics.jsonl")  # a resumed arm's train_loop saw only its own last steps
     result = {"arm": arm.to_dict(), "steps": cfg.steps, "heldout": heldout, "final_loss": final.get("loss"),
               "final_acc": {k: v for k, v in final.items() if k.startswith("acc_")},

@@ -57,13 +57,24 @@ def test_a_failed_run_rerun_with_the_same_out_dir_continues_from_its_checkpoint(
 
 
 @pytest.mark.slow
-def test_ray_train_restarts_killed_worker_from_checkpoint(tmp_path, ray_session, tiny_target, target_parts, tiny_rows):
+def test_ray_train_restarts_killed_worker_from_checkpoint(tmp_path, ray_session, tiny_target, target_parts, tiny_rows,
+                                                          monkeypatch):
+    import training.target
+    from training.heldout import heldout_acceptance
+
+    reads = []  # the driver's reads of the target's parts (the workers are other processes)
+    read = training.target.load_target_parts
+    monkeypatch.setattr(training.target, "load_target_parts", lambda d: reads.append(d) or read(d))
     rows = tiny_rows
     cfg = small_cfg(max_failures=1)
     vocab = build_vocab_mapping(rows, target_parts.vocab_size, cfg.draft_vocab_size)
     result = train_drafter(rows, cfg, tiny_target, tmp_path / "ray",
                            after_step=kill_worker_at(5, tmp_path / "ray", cfg.checkpoint_every))
     assert result.metrics["step"] == cfg.steps
+    # the driver reads the parts once, after the fit, for the export; the held-out measure takes them as they are
+    assert len(reads) == 1 and result.target is not None
+    held = heldout_acceptance(result.export_dir, result.target, rows[:4], k=3)
+    assert len(reads) == 1 and held["samples"] == 4 and held["drafts"] > 0
     steps = [json.loads(ln)["step"] for ln in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, cfg.steps + 1))  # steps 4-5 of the killed attempt were re-run
     ray_drafter = load_exported(result.export_dir, tiny_target)
