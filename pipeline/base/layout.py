@@ -121,6 +121,11 @@ class RunLayout:
         """The latest ``python -m pipeline plan``: its budgets and the predicted gain (read by report.html)."""
         return self.value / "plan.json"
 
+    def prompt_index(self, dataset: str) -> Path:
+        """One dataset file's sample ids, for a resume that would otherwise parse the file again
+        (pipeline.prompts.id_index)."""
+        return self.root / "prompts" / f"{file_part(dataset)}.ids.parquet"
+
     def ledger(self, source: str) -> Path:
         """An API source's budget journal."""
         return self.root / f"ledger-{file_part(source)}.json"

@@ -5,7 +5,8 @@ name, the row's index and its content only, so a worker assigns the ids the driv
 in Ray workers:
 
 - the index pass (``index_prompts``, one task per dataset, before generation) quarantines the malformed rows
-  and the prompts an API source wore out, and counts each file's rows and the prompts left to do;
+  and the prompts an API source wore out, and counts each file's rows and the prompts left to do; it keeps
+  each file's ids in the run folder (``id_index``), so a resume of an unchanged file counts without parsing;
 - each generation pass (``PromptSet.dataset`` -> ``prompt_dataset``) streams the files again and yields the
   rows left to do (or, for a re-route pass, only the named ones) as blocks of ``block_rows`` rows.
 
@@ -25,6 +26,7 @@ import pyarrow as pa
 
 from pipeline.base.layout import RunLayout, atomic_write_table
 from pipeline.base.records import QUARANTINE_SCHEMA, quarantine_row, read_ids
+from pipeline.prompts import id_index
 from pipeline.prompts.datasets import check_dataset, iter_dataset, warn_empty
 
 if TYPE_CHECKING:
@@ -86,14 +88,26 @@ def _write_quarantine(rows: list[dict[str, Any]], folder: Path) -> None:
                                                                                               for b in rows]))
 
 
-def index_dataset(d: DatasetConfig, quarantine: str, skip: set[str], worn: dict[str, dict[str, str]]) -> Counter:
+def index_dataset(d: DatasetConfig, quarantine: str, skip: set[str], worn: dict[str, dict[str, str]],
+                  index: str | None = None) -> Counter:
     """One dataset's index (an index task's body): its malformed rows and worn-out prompts not in ``skip``
-    written to ``quarantine``; returns ``{name}.rows`` (every row, good or bad) and ``TO_DO``."""
+    written to ``quarantine``; returns ``{name}.rows`` (every row, good or bad) and ``TO_DO``.
+
+    ``index``: where the file's ids are kept (``id_index``). When it holds for the file as it is now and no
+    row left to do needs writing to quarantine, the counts come from it and the file is not parsed; a full
+    pass writes it anew."""
+    key = id_index.index_key(d) if index is not None else None
+    if index is not None and (table := id_index.read_index(Path(index), key)) is not None:
+        to_do = id_index.indexed_counts(table, skip, set(worn))
+        if to_do is not None:
+            return Counter({f"{d.name}.rows": table.num_rows, TO_DO: to_do})
     counts: Counter = Counter({f"{d.name}.rows": 0, TO_DO: 0})
     bad: list[dict[str, Any]] = []
+    seen = id_index.Collector()
     for ok, row in iter_dataset(d, warn=False):  # the driver warns (its console shows the pipeline's warnings)
         counts[f"{d.name}.rows"] += 1
         sid = row["sample_id"]
+        seen.add(sid, ok)
         if sid in skip:
             continue
         if not ok:
@@ -106,6 +120,8 @@ def index_dataset(d: DatasetConfig, quarantine: str, skip: set[str], worn: dict[
             _write_quarantine(bad, Path(quarantine))
             bad = []
     _write_quarantine(bad, Path(quarantine))
+    if key is not None and id_index.index_key(d) == key:  # the file did not change while it was read
+        id_index.write_index(Path(index), key, seen.table())
     return counts
 
 
@@ -130,7 +146,8 @@ def index_prompts(cfg: RunConfig, layout: RunLayout, skip: set[str] | Any,
     skip_ref = skip if isinstance(skip, ray.ObjectRef) else ray.put(skip)
     worn_ref = worn if isinstance(worn, ray.ObjectRef) else ray.put(worn)
     task = ray.remote(num_cpus=INDEX_CPUS)(index_dataset)
-    refs = [task.remote(d, str(layout.quarantine), skip_ref, worn_ref) for d in cfg.datasets]
+    refs = [task.remote(d, str(layout.quarantine), skip_ref, worn_ref, str(layout.prompt_index(d.name)))
+            for d in cfg.datasets]
     counts: Counter = Counter()
     try:
         for c in ray.get(refs):

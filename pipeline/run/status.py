@@ -24,6 +24,7 @@ from pipeline.base.config import RunConfig
 from pipeline.base.layout import RunLayout, last_json_line
 from pipeline.base.records import count_values, read_rows, read_sample_table
 from pipeline.prompts.datasets import count_rows
+from pipeline.prompts.id_index import indexed_rows
 from pipeline.report.costs import cost_lines, cost_table_of, engine_prices
 from pipeline.report.summary import heldout_breakdown_lines
 
@@ -52,7 +53,8 @@ def dataset_status(cfg: RunConfig, samples: pa.Table, quarantine: list[dict[str,
             held.setdefault(r["dataset"], {}).setdefault(r["sample_id"], r["stage"])
     out = {}
     for d in cfg.datasets:
-        total = count_rows(d)  # streamed: no row is held, a Parquet file's footer says it
+        # the file's id index when it holds for the file as it is; else counted, streamed (no row held)
+        total = indexed_rows(RunLayout(cfg.output_dir).prompt_index(d.name), d) or count_rows(d)
         p, q = passed.get(d.name, 0), held.get(d.name, {})
         out[d.name] = {"rows": total, "passed": p, "quarantined": len(q),
                        "quarantined_by_stage": dict(Counter(q.values())), "to_do": max(total - p - len(q), 0)}
@@ -61,7 +63,7 @@ def dataset_status(cfg: RunConfig, samples: pa.Table, quarantine: list[dict[str,
 
 def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]:
     from pipeline.generate.ledger import read_journal
-    from pipeline.generate.sources.http.journal import journal_totals
+    from pipeline.generate.sources.http.totals import journal_totals
     from pipeline.generate.sources.registry import spending_sources
 
     spend = {}

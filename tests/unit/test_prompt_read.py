@@ -9,6 +9,7 @@ import logging
 import math
 import pickle
 import random
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -222,6 +223,83 @@ def test_index_dataset_writes_what_read_prompts_wrote(tmp_path):
     rows = {f"{d.name}.rows": sum(map(len, load_dataset(d))) for d in datasets}
     assert {k: v for k, v in counts.items() if k != TO_DO} == rows
     assert counts[TO_DO] == sum(len(load_dataset(d)[0]) for d in datasets) - 2  # one done, one worn out
+
+
+def _index_all(datasets: list[DatasetConfig], tmp_path: Path, done: set[str], worn: dict) -> Counter:
+    counts: Counter = Counter()
+    layout = RunLayout(tmp_path / "out")
+    for d in datasets:
+        counts.update(index_dataset(d, str(layout.quarantine), done, worn, str(layout.prompt_index(d.name))))
+    return counts
+
+
+def test_a_resume_counts_from_the_id_index_without_parsing_the_files(tmp_path, monkeypatch):
+    """The first pass writes each file's ids; a second one with more rows done counts the same figures as a
+    full pass would, from the index alone, and writes no quarantine row again."""
+    import pipeline.prompts.read as read
+
+    datasets = _datasets(tmp_path)
+    first = _index_all(datasets, tmp_path, set(), {})
+    layout = RunLayout(tmp_path / "out")
+    assert all(layout.prompt_index(d.name).is_file() for d in datasets)
+    index = pq.read_table(layout.prompt_index("lines"))
+    assert index.column("sample_id").to_pylist() == [r["sample_id"] for _, r in iter_dataset(datasets[0])]
+    assert index.column("ok").to_pylist() == [ok for ok, _ in iter_dataset(datasets[0])]
+    quarantined = {r["sample_id"] for r in read_rows(layout.quarantine, ["sample_id"])}
+    assert quarantined
+    done = quarantined | {r["sample_id"] for d in datasets for r in load_dataset(d)[0][::3]}
+    expected = Counter({k: v for k, v in first.items() if k != TO_DO})
+    expected[TO_DO] = sum(len([r for r in load_dataset(d)[0] if r["sample_id"] not in done]) for d in datasets)
+    shards = sorted(layout.quarantine.glob("*.parquet"))
+
+    def no_parse(*a, **k):
+        raise AssertionError("the file was parsed again")
+
+    monkeypatch.setattr(read, "iter_dataset", no_parse)
+    assert _index_all(datasets, tmp_path, done, {}) == expected
+    assert sorted(layout.quarantine.glob("*.parquet")) == shards
+
+
+def test_the_id_index_is_not_trusted_for_a_changed_file_or_settings(tmp_path, monkeypatch):
+    import pipeline.prompts.read as read
+
+    d = _datasets(tmp_path)[4]  # capped.jsonl: 20 rows, max_rows 7
+    parses = []
+    real = read.iter_dataset
+    monkeypatch.setattr(read, "iter_dataset", lambda *a, **k: parses.append(1) or real(*a, **k))
+    path = RunLayout(tmp_path / "out").prompt_index(d.name)
+
+    def to_do(cfg: DatasetConfig) -> int:
+        return _index_all([cfg], tmp_path, set(), {})[TO_DO]
+
+    assert (to_do(d), to_do(d), len(parses)) == (7, 7, 1)  # written, then trusted
+    wider = d.model_copy(update={"max_rows": 12})  # other settings: other ids; the index is written for them
+    assert (to_do(wider), to_do(wider), len(parses)) == (12, 12, 2)
+    with open(d.path, "a") as f:  # the file changes (its size and mtime)
+        f.write(json.dumps(_user("new")) + "\n")
+    assert (to_do(wider), to_do(wider), len(parses)) == (12, 12, 3)
+    for junk in (b"", b"not parquet", None):  # a torn or foreign index file is no index
+        if junk is None:
+            pq.write_table(pa.table({"sample_id": ["x"]}), path)
+        else:
+            path.write_bytes(junk)
+        assert to_do(d) == 7
+    assert len(parses) == 6
+
+
+def test_a_worn_or_malformed_row_left_to_do_is_read_from_the_file(tmp_path):
+    """The index holds ids, not rows: a prompt worn out since the last pass (or a malformed row whose
+    quarantine shard is gone) is quarantined from the file, as without an index."""
+    datasets = _datasets(tmp_path)
+    _index_all(datasets, tmp_path, set(), {})
+    layout = RunLayout(tmp_path / "out")
+    shutil.rmtree(layout.quarantine)
+    good = load_dataset(datasets[0])[0]
+    worn = {good[1]["sample_id"]: {"stage": "generate", "source": "api", "reason": "api: transient failures"}}
+    counts = _index_all(datasets, tmp_path, set(), worn)
+    written = {r["sample_id"]: r["stage"] for r in read_rows(layout.quarantine, ["sample_id", "stage"])}
+    assert written == {q["sample_id"]: q["stage"] for q in _old_quarantine(datasets, set(), worn)}
+    assert counts[TO_DO] == sum(len(load_dataset(d)[0]) for d in datasets) - 1
 
 
 # ------------------------------------------------------------------ in Ray (the session's cluster)
