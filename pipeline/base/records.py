@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
 
+READ_THREADS = 4  # shards read at once (``shard_tables``)
 SAMPLE_SCHEMA = pa.schema([
     ("sample_id", pa.string()),
     ("dataset", pa.string()),
@@ -106,10 +108,7 @@ def read_rows(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
     A file there that is not parquet or lacks a named column raises ``UnreadableFile`` naming it (one line
     and exit 2 from the CLI), never a traceback, and never skipped: its samples would be made again. Only
     the ``OPTIONAL_COLUMNS`` a shard of an older version lacks read as None."""
-    rows: list[dict[str, Any]] = []
-    for f in sorted(Path(folder).glob("*.parquet")):
-        rows += _read_shard(f, columns)
-    return rows
+    return [row for _, table in shard_tables(folder, columns) for row in table.to_pylist()]
 
 
 def _read_shard(path: Path, columns: list[str]) -> list[dict[str, Any]]:
@@ -123,11 +122,12 @@ def _shard_table(path: Path, columns: list[str]) -> pa.Table:
 
     aside = f"move it out of {path.parent} if it does not belong to this run"
     try:
-        names = pq.read_schema(path).names
-        missing = [c for c in columns if c not in names and c not in OPTIONAL_COLUMNS]
-        if missing:
-            raise UnreadableFile(f"{path}: a shard without the columns {missing}; {aside}")
-        table = pq.read_table(path, columns=[c for c in columns if c in names])
+        with pq.ParquetFile(path) as fh:  # one open for the schema and the columns
+            names = fh.schema_arrow.names
+            missing = [c for c in columns if c not in names and c not in OPTIONAL_COLUMNS]
+            if missing:
+                raise UnreadableFile(f"{path}: a shard without the columns {missing}; {aside}")
+            table = fh.read(columns=[c for c in columns if c in names])
     except (pa.ArrowException, OSError) as e:
         raise UnreadableFile(f"{path}: not a readable parquet file ({' '.join(str(e).split())}); {aside}") from None
     for c in columns:
@@ -136,17 +136,23 @@ def _shard_table(path: Path, columns: list[str]) -> pa.Table:
     return table.select(columns)
 
 
+def shard_tables(folder: Path, columns: list[str]) -> list[tuple[Path, pa.Table]]:
+    """(file, ``_shard_table``) of every shard in a folder, in file-name order, read by a few threads (Arrow
+    decodes without the GIL: a status or resume of 400 shards waited on one file at a time); the first shard in
+    that order that does not read raises its ``UnreadableFile``."""
+    files = sorted(Path(folder).glob("*.parquet"))
+    if len(files) < 2:
+        return [(f, _shard_table(f, columns)) for f in files]
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(files))) as pool:
+        return list(zip(files, pool.map(lambda f: _shard_table(f, columns), files), strict=True))
+
+
 def read_ids(folder: Path) -> set[str]:
     """The ``sample_id`` of every shard in a folder, read as one column per shard (no row dicts): what a resume
     and the shard writer know is done. A shard that does not read fails as ``read_rows`` fails on it."""
     out: set[str] = set()
-    for f in sorted(Path(folder).glob("*.parquet")):
-        try:
-            column = pq.read_table(f, columns=["sample_id"]).column("sample_id")
-        except (pa.ArrowException, OSError, KeyError):
-            _read_shard(f, ["sample_id"])  # raises UnreadableFile naming the file
-            raise
-        out.update(column.to_pylist())
+    for _, table in shard_tables(folder, ["sample_id"]):
+        out.update(table.column("sample_id").to_pylist())
     return out
 
 
@@ -182,9 +188,9 @@ def read_sample_table(folder: Path, columns: list[str]) -> tuple[pa.Table, int]:
     want = list(columns) if "sample_id" in columns else [*columns, "sample_id"]
     schema = pa.schema([SAMPLE_SCHEMA.field(c) for c in want])
     tables = []
-    for f in sorted(Path(folder).glob("*.parquet")):
+    for f, t in shard_tables(folder, want):
         try:
-            tables.append(_shard_table(f, want).cast(schema))
+            tables.append(t.cast(schema))
         except pa.ArrowException as e:  # a cast that cannot be made: a column of another type
             raise UnreadableFile(f"{f}: a shard whose columns are not of the sample types ({e}); move it out of "
                                  f"{f.parent} if it does not belong to this run") from None

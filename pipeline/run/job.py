@@ -264,7 +264,7 @@ def read_prompts(cfg: RunConfig, layout: RunLayout, done: set[str] | None = None
 
 def worn_out(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, str]]:
     """Prompts a spending source gave up on (transient failures, retries spent) in ``transient_runs`` runs."""
-    from pipeline.generate.sources.http.journal import gave_up_counts
+    from pipeline.generate.sources.http.totals import gave_up_counts
 
     out = {}
     for src in spending_sources(cfg.sources):
@@ -316,7 +316,7 @@ def restored_spend(cfg: RunConfig, layout: RunLayout, src: Any, identities: dict
     scope): what it spent under an earlier name counts too (``identities``: ``source_identities``, read once).
     """
     from pipeline.generate.ledger import read_journal_both
-    from pipeline.generate.sources.http.journal import cost_by_dataset
+    from pipeline.generate.sources.http.totals import cost_by_dataset
 
     identity = src.identity()
     identities = source_identities(cfg, layout) if identities is None else identities
@@ -368,7 +368,7 @@ def _max_into(acc: Counter, values: dict[str, Any]) -> None:
 def spent_by_dataset(layout: RunLayout, source: str) -> dict[str, int]:
     """Billed completion tokens of one source: in written and quarantined samples, or in the response journal
     (every billed attempt, written or not), whichever is larger."""
-    from pipeline.generate.sources.http.journal import billed_by_dataset
+    from pipeline.generate.sources.http.totals import billed_by_dataset
 
     spent: Counter = Counter()
     for r in read_rows(layout.samples, ["dataset", "source", "billed_completion_tokens"]):

@@ -374,7 +374,8 @@ def test_journaled_responses_are_replayed_not_paid_again(profile, tmp_path):
     """Every paid answer is journaled as it arrives; a new attempt handed the journal rebuilds those samples
     without a request (same ids as the first time), and asks only for the rest."""
     from pipeline.base.layout import RunLayout
-    from pipeline.generate.sources.http.journal import billed_by_dataset, load_responses
+    from pipeline.generate.sources.http.journal import load_responses
+    from pipeline.generate.sources.http.totals import billed_by_dataset
 
     rows = prompt_rows(12)
     with serve_in_thread(ServerConfig(seed=2), CannedBackend(2, profile)) as (url, server):

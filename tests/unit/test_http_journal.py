@@ -13,22 +13,24 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from pipeline.base.layout import RunLayout
 from pipeline.generate.sources.http import journal as http_journal
+from pipeline.generate.sources.http import totals as http_totals
 from pipeline.generate.sources.http.journal import (
     JournalError,
     Record,
     ResponseJournal,
-    billed_by_dataset,
-    cost_by_dataset,
     iter_journal,
     journal_files,
     journal_path,
     load_responses,
     request_digest,
 )
+from pipeline.generate.sources.http.totals import billed_by_dataset, cost_by_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +58,7 @@ def test_record_round_trip() -> None:
 def test_a_line_with_numbers_of_the_wrong_type_is_refused_not_counted(tmp_path: Path) -> None:
     """The counting reader checks the figures it adds up: a foreign line with a string for tokens or cost is
     skipped loudly, never a TypeError at the sum."""
-    from pipeline.generate.sources.http.journal import journal_totals
+    from pipeline.generate.sources.http.totals import journal_totals
 
     good = rec("s1", billed=10, cost=0.5).to_json()
     bad = [json.dumps({**json.loads(good), "sample_id": f"x{i}", **patch}).encode() + b"\n"
@@ -236,8 +238,9 @@ def test_billed_totals_include_billed_failures(tmp_path: Path) -> None:
 def test_journal_totals_parse_the_files_once_while_they_are_unchanged(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A resume asks for the billed tokens, the costs and the give-ups at three places, status for the billed
-    tokens and the responses: one parse of the files serves them all until a file changes."""
-    from pipeline.generate.sources.http.journal import gave_up_counts, journal_totals
+    tokens and the responses: one parse of the files serves them all until a file changes, and then only the
+    lines appended since are parsed, in this process or the next (the projection kept beside the files)."""
+    from pipeline.generate.sources.http.totals import gave_up_counts, journal_totals
 
     folder = RunLayout(tmp_path).responses
     with ResponseJournal(journal_path(tmp_path, "or", "a1")) as j:
@@ -247,8 +250,8 @@ def test_journal_totals_parse_the_files_once_while_they_are_unchanged(tmp_path: 
         j.append(rec("s2", kind="gave_up", billed=0, error="HTTP 503"))
         j.append(rec("s3", dataset="d2", kind="billed_failure", billed=5))
     parses = []
-    real = http_journal.record_fields
-    monkeypatch.setattr(http_journal, "record_fields", lambda line: parses.append(1) or real(line))
+    real = http_totals.record_fields
+    monkeypatch.setattr(http_totals, "record_fields", lambda line: parses.append(1) or real(line))
     totals = journal_totals(folder, "or")
     assert totals.billed == {"d1": 100, "d2": 5} and totals.cost["d1"] == pytest.approx(0.1)
     assert totals.gave_up == {"s2": (2, "HTTP 503")} and totals.responded == {"s1": "d1"}
@@ -256,10 +259,55 @@ def test_journal_totals_parse_the_files_once_while_they_are_unchanged(tmp_path: 
     assert n == 5
     assert billed_by_dataset(folder, "or") == totals.billed and gave_up_counts(folder, "or") == totals.gave_up
     assert cost_by_dataset(folder, "or") == totals.cost and len(parses) == n  # no second parse
-    with ResponseJournal(journal_path(tmp_path, "or", "a2")) as j:  # a changed folder is parsed again
+    with ResponseJournal(journal_path(tmp_path, "or", "a2")) as j:  # a new file: only it is parsed
         j.append(rec("s4", dataset="d2", billed=7, generation_id="g4"))
-    assert billed_by_dataset(folder, "or") == {"d1": 100, "d2": 12} and len(parses) == n + 6
+        j.append(rec("s1", billed=100, cost=0.1, generation_id="g1"))  # g1 again, in another file: counted once
+    assert billed_by_dataset(folder, "or") == {"d1": 100, "d2": 12} and len(parses) == n + 2
     assert journal_totals(folder, "or").responded == {"s1": "d1", "s4": "d2"}
+    with ResponseJournal(journal_path(tmp_path, "or", "a1")) as j:  # appended to: only the new line
+        j.append(rec("s5", billed=1, generation_id="g5"))
+    assert billed_by_dataset(folder, "or") == {"d1": 101, "d2": 12} and len(parses) == n + 3
+    http_totals._TOTALS.clear()  # the next process: the projections on disk, nothing parsed
+    assert journal_totals(folder, "or") == full_parse_totals(folder) and len(parses) == n + 3
+
+
+def full_parse_totals(folder: Path) -> http_totals.JournalTotals:
+    """The same figures from a full parse of every line (``iter_journal``), as the totals were first counted."""
+    tables = []
+    for path in http_journal.journal_files(folder, "or"):
+        tables.append(http_totals._table([http_totals._row(r) for r in iter_journal(path, http_journal.record_fields)]))
+    table = pa.concat_tables(tables)
+    return http_totals.totals_of(table.filter(pc.equal(table.column("source"), "or")))
+
+
+def test_a_journal_projection_that_no_longer_holds_is_not_used(tmp_path: Path, caplog) -> None:
+    """A file rewritten under its projection (other bytes before its offset), a projection that does not read,
+    a torn last line: each counted as a full parse would count it."""
+    from pipeline.generate.sources.http.totals import TOTALS_DIR, journal_totals
+
+    folder = RunLayout(tmp_path).responses
+    path = journal_path(tmp_path, "or", "a1")
+    with ResponseJournal(path) as j:
+        j.append(rec("s1", billed=10, generation_id="g1"))
+        j.append(rec("s2", billed=20, generation_id="g2"))
+    assert journal_totals(folder, "or").billed == {"d1": 30}
+    cache = folder / TOTALS_DIR / f"{path.name}.parquet"
+    assert cache.is_file()
+    first = path.read_bytes()
+    path.write_bytes(first.replace(b'"s1"', b'"s9"').replace(b":10,", b":11,") + rec("s3", billed=5).to_json())
+    http_totals._TOTALS.clear()
+    got = journal_totals(folder, "or")
+    assert got.billed == {"d1": 36} and set(got.responded) == {"s9", "s2", "s3"}
+    for junk in (b"", b"not parquet"):
+        cache.write_bytes(junk)
+        http_totals._TOTALS.clear()
+        assert journal_totals(folder, "or") == got
+    with open(path, "ab") as fh:  # a kill mid-write: the torn line is not counted, nor stored
+        fh.write(rec("s4", billed=1000).to_json()[:40])
+    http_totals._TOTALS.clear()
+    with caplog.at_level("INFO"):
+        assert journal_totals(folder, "or") == got
+    assert "torn last line" in caplog.text
 
 
 def test_write_failure_raises_and_stops_the_journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -5,7 +5,7 @@ failed attempt) to its own file, ``RunLayout(out).responses /
 f"{source}-{actor_uuid}.jsonl"`` (one writer per file: no cross-process locking).
 A killed run keeps what it was billed for, and a resumed run reads the journal
 (:func:`load_responses`) to rebuild those samples without the network, and
-restores the ledger's spend from it (:func:`billed_by_dataset`).
+restores the ledger's spend from it (``totals.billed_by_dataset``).
 
 Durability without slowing the event loop: ``append`` writes each record
 through to the OS before it returns (one ``os.write``; that survives a SIGKILL
@@ -123,7 +123,7 @@ class Record:
 
 def record_fields(line: bytes | str) -> dict[str, Any]:
     """One journal line's fields, checked as a ``Record`` needs them (ValueError for a torn or foreign line): the
-    parse of ``Record.from_json`` without building the record, for a reader that only counts (``journal_totals``)."""
+    parse of ``Record.from_json`` without building the record, for a reader that only counts (``totals``)."""
     data = _loads(line)
     if not isinstance(data, dict):
         raise ValueError("journal line is not an object")
@@ -356,79 +356,3 @@ def load_responses(folder: str | Path, source: str) -> dict[str, Record]:
         if seen is None or rec.at >= seen.at:
             out[rec.sample_id] = rec
     return out
-
-
-@dataclass(frozen=True)
-class JournalTotals:
-    """What the driver and ``status`` count from one source's journal, gathered in one pass over its files.
-
-    ``billed``/``cost``: per dataset, a record journaled twice under one ``generation_id`` counted once;
-    ``gave_up``: sample_id -> (runs that gave up on it, the last error); ``responded``: sample_id -> dataset of
-    every prompt with a journaled response (status's paid-not-written count)."""
-
-    billed: dict[str, int]
-    cost: dict[str, float]
-    gave_up: dict[str, tuple[int, str]]
-    responded: dict[str, str]
-
-
-_TOTALS: dict[tuple[str, str], tuple[tuple[tuple[str, int, int], ...], JournalTotals]] = {}
-
-
-def journal_totals(folder: str | Path, source: str) -> JournalTotals:
-    """``JournalTotals`` of ``source`` in a responses folder; one parse per process while its files are
-    unchanged (a resume asked for three of its figures at three places, and each parse of 200,000 records
-    took ~3 s on one core)."""
-    files = journal_files(folder, source)
-    signature = tuple((str(p), st.st_size, st.st_mtime_ns) for p in files for st in (p.stat(),))
-    key = (str(Path(folder)), source)
-    cached = _TOTALS.get(key)
-    if cached is not None and cached[0] == signature:
-        return cached[1]
-    billed: dict[str, int] = {}
-    cost: dict[str, float] = {}
-    gave_up: dict[str, tuple[int, str]] = {}
-    responded: dict[str, str] = {}
-    seen: set[str] = set()
-    for path in files:
-        for rec in iter_journal(path, record_fields):  # checked fields, no Record built: ~4x faster
-            if rec["source"] != source:  # "a-*" also matches source "a-b"'s files
-                continue
-            sid, dataset, kind = rec["sample_id"], rec["dataset"], rec.get("kind", "response")
-            if kind == "gave_up":
-                n, _ = gave_up.get(sid, (0, ""))
-                gave_up[sid] = (n + 1, str(rec.get("error") or ""))
-            elif kind == "response":
-                responded[sid] = dataset
-            generation = rec.get("generation_id") or ""
-            if generation:
-                if generation in seen:
-                    continue
-                seen.add(generation)
-            charged = rec.get("charged_tokens")
-            charged = rec.get("billed_completion_tokens", 0) if charged is None else charged
-            billed[dataset] = billed.get(dataset, 0) + max(0, charged)
-            cost[dataset] = cost.get(dataset, 0.0) + float(rec.get("cost") or 0.0)
-    totals = JournalTotals(billed, cost, gave_up, responded)
-    _TOTALS[key] = (signature, totals)
-    return totals
-
-
-def billed_by_dataset(folder: str | Path, source: str) -> dict[str, int]:
-    """Completion tokens journaled per dataset (responses and billed failures), to restore the ledger's spend.
-
-    The provider billed them whether or not a sample was written. A record
-    journaled twice under one ``generation_id`` counts once.
-    """
-    return dict(journal_totals(folder, source).billed)
-
-
-def cost_by_dataset(folder: str | Path, source: str) -> dict[str, float]:
-    """Reported cost per dataset, counted like :func:`billed_by_dataset` (for ``Ledger.restore``)."""
-    return dict(journal_totals(folder, source).cost)
-
-
-def gave_up_counts(folder: str | Path, source: str) -> dict[str, tuple[int, str]]:
-    """sample_id -> (runs that gave up on it after transient failures, the last such error)."""
-    return dict(journal_totals(folder, source).gave_up)
-

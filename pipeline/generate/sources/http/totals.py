@@ -1,0 +1,192 @@
+"""What a resume and ``status`` count from a source's response journal, without parsing it whole each time.
+
+Each journal file is append-only (one writer, ``journal.ResponseJournal``), ~770 bytes a record with the
+answer's text; at 200,000 records a parse took ~2 s of one core on every resume and every ``status``. Beside
+each file, ``responses/.totals/{file}.parquet`` keeps the few fields the counts need (source, sample id,
+dataset, kind, generation id, charged tokens, cost, error) for the file's bytes up to its last whole line,
+with that offset and a digest of the bytes before it. A reader takes the projection while the file still
+holds those bytes (same inode, at least as long, the same bytes before the offset) and parses only what was
+appended since; anything else (no projection, one that does not read, a file rewritten) is a full parse.
+Writing the projection is best effort: a folder this process may not write is only slower to read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.base.layout import atomic_write_table
+from pipeline.generate.sources.http.journal import journal_files, record_fields
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+META = b"pipeline.journal_projection"
+TOTALS_DIR = ".totals"
+DIGEST_BYTES = 4096  # the bytes before the offset that must still be there for the projection to hold
+SCHEMA = pa.schema([("source", pa.string()), ("sample_id", pa.string()), ("dataset", pa.string()),
+                    ("kind", pa.string()), ("generation_id", pa.string()), ("charged", pa.int64()),
+                    ("cost", pa.float64()), ("error", pa.string())])
+
+
+@dataclass(frozen=True)
+class JournalTotals:
+    """What the driver and ``status`` count from one source's journal.
+
+    ``billed``/``cost``: per dataset, a record journaled twice under one ``generation_id`` counted once;
+    ``gave_up``: sample_id -> (runs that gave up on it, the last error); ``responded``: sample_id -> dataset of
+    every prompt with a journaled response (status's paid-not-written count)."""
+
+    billed: dict[str, int]
+    cost: dict[str, float]
+    gave_up: dict[str, tuple[int, str]]
+    responded: dict[str, str]
+
+
+def _row(rec: dict[str, Any]) -> tuple[Any, ...]:
+    charged = rec.get("charged_tokens")
+    charged = rec.get("billed_completion_tokens", 0) if charged is None else charged
+    return (rec["source"], rec["sample_id"], rec["dataset"], rec.get("kind", "response"),
+            str(rec.get("generation_id") or ""), max(0, int(charged)), float(rec.get("cost") or 0.0),
+            str(rec.get("error") or ""))
+
+
+def _table(rows: list[tuple[Any, ...]]) -> pa.Table:
+    columns = list(zip(*rows, strict=True)) if rows else [[] for _ in SCHEMA]
+    return pa.table([pa.array(c, f.type) for c, f in zip(columns, SCHEMA, strict=True)], schema=SCHEMA)
+
+
+def _parse(path: Path, data: bytes, start: int) -> list[tuple[Any, ...]]:
+    """The projected rows of whole lines ``data`` (read from byte ``start`` of ``path``); a bad line is skipped
+    loudly, as ``journal.iter_journal`` skips it."""
+    rows = []
+    at = start
+    for line in data.split(b"\n"):
+        if line.strip():
+            try:
+                rows.append(_row(record_fields(line)))
+            except (ValueError, TypeError) as e:
+                log.warning("journal %s: skipping the unreadable line at byte %d: %s", path, at, e)
+        at += len(line) + 1
+    return rows
+
+
+def _digest(fh: Any, offset: int) -> str:
+    start = max(0, offset - DIGEST_BYTES)
+    fh.seek(start)
+    return hashlib.sha256(fh.read(offset - start)).hexdigest()
+
+
+def _cached(cache: Path, fh: Any, st: os.stat_result) -> tuple[pa.Table, int] | None:
+    """The stored projection and its offset, when it still holds for the open file ``fh``; else None."""
+    if not cache.is_file():
+        return None
+    try:
+        table = pq.read_table(cache)
+        meta = json.loads((table.schema.metadata or {}).get(META, b"null"))
+        if not isinstance(meta, dict) or meta.get("v") != VERSION or not table.schema.equals(SCHEMA):
+            return None
+        offset = meta["offset"]
+        if not isinstance(offset, int) or meta.get("ino") != st.st_ino or not 0 <= offset <= st.st_size:
+            return None
+        if meta.get("digest") != _digest(fh, offset):
+            return None
+    except (pa.ArrowException, OSError, ValueError, KeyError, TypeError):
+        return None
+    return table, offset
+
+
+def _store(cache: Path, table: pa.Table, fh: Any, st: os.stat_result, offset: int) -> None:
+    meta = {"v": VERSION, "offset": offset, "ino": st.st_ino, "digest": _digest(fh, offset)}
+    try:
+        cache.parent.mkdir(exist_ok=True)
+        atomic_write_table(table.replace_schema_metadata({META: json.dumps(meta).encode()}), cache)
+    except OSError as e:  # a folder this process may not write (status run by another user): slower, not wrong
+        log.debug("journal projection %s not written: %s", cache, e)
+
+
+def file_projection(path: Path) -> pa.Table:
+    """The projected rows of one journal file, in write order: its stored projection and what was appended
+    since, the stored one brought up to date; a torn last line (a kill mid-write) is left out."""
+    cache = path.parent / TOTALS_DIR / f"{path.name}.parquet"
+    with open(path, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        cached = _cached(cache, fh, st)
+        table, start = cached if cached is not None else (_table([]), 0)
+        fh.seek(start)
+        data = fh.read()
+        whole = data.rfind(b"\n") + 1
+        if whole:
+            table = pa.concat_tables([table, _table(_parse(path, data[: whole - 1], start))])
+            _store(cache, table, fh, st, start + whole)
+    if data[whole:].strip():
+        log.info("journal %s: skipping a torn last line (%d bytes)", path, len(data) - whole)
+    return table
+
+
+def totals_of(table: pa.Table) -> JournalTotals:
+    """``JournalTotals`` of one source's projected rows (its files' in order)."""
+    index = pa.array(range(table.num_rows), pa.int64())
+    generation = table.column("generation_id")
+    named = pc.not_equal(generation, "")
+    firsts = pa.table({"g": generation, "i": index}).filter(named).group_by("g", use_threads=False).aggregate(
+        [("i", "min")]).column("i_min")
+    counted = table.filter(pc.or_(pc.invert(named), pc.is_in(index, value_set=firsts)))
+    sums = counted.group_by("dataset", use_threads=False).aggregate([("charged", "sum"), ("cost", "sum")])
+    billed = dict(zip(sums.column("dataset").to_pylist(), sums.column("charged_sum").to_pylist(), strict=True))
+    cost = dict(zip(sums.column("dataset").to_pylist(), sums.column("cost_sum").to_pylist(), strict=True))
+    gave_up: dict[str, tuple[int, str]] = {}
+    for sid, error in zip(*(table.filter(pc.equal(table.column("kind"), "gave_up")).column(c).to_pylist()
+                            for c in ("sample_id", "error")), strict=True):
+        gave_up[sid] = (gave_up.get(sid, (0, ""))[0] + 1, error)
+    answered = table.filter(pc.equal(table.column("kind"), "response"))
+    responded = dict(zip(answered.column("sample_id").to_pylist(), answered.column("dataset").to_pylist(),
+                         strict=True))
+    return JournalTotals(billed, cost, gave_up, responded)
+
+
+_TOTALS: dict[tuple[str, str], tuple[tuple[tuple[str, int, int], ...], JournalTotals]] = {}
+
+
+def journal_totals(folder: str | Path, source: str) -> JournalTotals:
+    """``JournalTotals`` of ``source`` in a responses folder: each file's stored projection plus what was
+    appended since (``file_projection``), and one count per process while the files are unchanged (a resume
+    asks for three of its figures at three places)."""
+    files = journal_files(folder, source)
+    signature = tuple((str(p), st.st_size, st.st_mtime_ns) for p in files for st in (p.stat(),))
+    key = (str(Path(folder)), source)
+    cached = _TOTALS.get(key)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    tables = [file_projection(p) for p in files]
+    table = pa.concat_tables(tables) if tables else _table([])
+    totals = totals_of(table.filter(pc.equal(table.column("source"), source)))  # "a-*" also matches "a-b"'s
+    _TOTALS[key] = (signature, totals)
+    return totals
+
+
+def billed_by_dataset(folder: str | Path, source: str) -> dict[str, int]:
+    """Completion tokens journaled per dataset (responses and billed failures), to restore the ledger's spend.
+
+    The provider billed them whether or not a sample was written. A record journaled twice under one
+    ``generation_id`` counts once."""
+    return dict(journal_totals(folder, source).billed)
+
+
+def cost_by_dataset(folder: str | Path, source: str) -> dict[str, float]:
+    """Reported cost per dataset, counted like :func:`billed_by_dataset` (for ``Ledger.restore``)."""
+    return dict(journal_totals(folder, source).cost)
+
+
+def gave_up_counts(folder: str | Path, source: str) -> dict[str, tuple[int, str]]:
+    """sample_id -> (runs that gave up on it after transient failures, the last such error)."""
+    return dict(journal_totals(folder, source).gave_up)
