@@ -18,6 +18,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
+import pyarrow.compute as pc
+
 from pipeline.base.config import RunConfig
 from pipeline.base.console import (
     Console,
@@ -29,7 +31,7 @@ from pipeline.base.console import (
     header_lines,
 )
 from pipeline.base.layout import RunLayout, atomic_write_json
-from pipeline.base.records import read_rows
+from pipeline.base.records import read_rows, shard_tables
 from pipeline.base.run_lock import RunLock, current_lock, on_lock_lost
 from pipeline.checks.validate import assert_conservation
 from pipeline.generate.ledger import halt, read_spend
@@ -371,9 +373,11 @@ def spent_by_dataset(layout: RunLayout, source: str) -> dict[str, int]:
     from pipeline.generate.sources.http.totals import billed_by_dataset
 
     spent: Counter = Counter()
-    for r in read_rows(layout.samples, ["dataset", "source", "billed_completion_tokens"]):
-        if r["source"] == source and (r["billed_completion_tokens"] or 0) > 0:
-            spent[r["dataset"]] += r["billed_completion_tokens"]
+    for _, t in shard_tables(layout.samples, ["dataset", "source", "billed_completion_tokens"]):  # as columns
+        tokens = t.column("billed_completion_tokens")
+        mine = t.filter(pc.and_(pc.equal(t.column("source"), source), pc.greater(tokens, 0)))
+        for g in mine.group_by("dataset").aggregate([("billed_completion_tokens", "sum")]).to_pylist():
+            spent[g["dataset"]] += g["billed_completion_tokens_sum"]
     for r in read_rows(layout.quarantine, ["dataset", "source", "detail"]):
         if r["source"] == source:
             billed = json.loads(r["detail"] or "{}").get("billed_completion_tokens") or 0

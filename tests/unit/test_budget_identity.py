@@ -58,3 +58,29 @@ def test_two_api_sources_with_one_identity_are_refused():
                   sources=[{**src, "name": "a"}, {**src, "name": "b"}])
     RunConfig(output_dir="o", model={"profile": "deepseek"}, datasets=[{"name": "d", "path": "d.jsonl"}],
               sources=[{**src, "name": "a"}, {**src, "name": "b", "budget_scope": "second"}])
+
+
+def test_spend_restored_from_the_samples_counts_each_written_row_of_the_source(tmp_path):
+    """Billed tokens in samples/ (read as columns) and quarantine/, per dataset, for one source: rows of other
+    sources, unbilled (0, -1: no usage) and null figures add nothing; a sample written twice counts twice (the
+    restored spend errs high, never low)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.run.job import spent_by_dataset
+
+    layout = RunLayout(tmp_path)
+    layout.samples.mkdir(parents=True)
+    layout.quarantine.mkdir()
+    rows = [("d", "api", 10), ("d", "api", 0), ("e", "api", 5), ("d", "other", 1000), ("d", "api", -1),
+            ("d", "api", None), ("e", None, 7)]
+    pq.write_table(pa.table({"dataset": [r[0] for r in rows], "source": [r[1] for r in rows],
+                             "billed_completion_tokens": pa.array([r[2] for r in rows], pa.int64())}),
+                   layout.samples / "part-a.parquet")
+    pq.write_table(pa.table({"dataset": ["d"], "source": ["api"], "billed_completion_tokens": [10]}),
+                   layout.samples / "part-b.parquet")  # the same sample again
+    pq.write_table(pa.table({"dataset": ["e"], "source": ["api"],
+                             "detail": [json.dumps({"billed_completion_tokens": 3})]}),
+                   layout.quarantine / "part-q.parquet")
+    assert spent_by_dataset(layout, "api") == {"d": 20, "e": 8}
+    assert spent_by_dataset(layout, "other") == {"d": 1000}
