@@ -275,7 +275,8 @@ def full_parse_totals(folder: Path) -> http_totals.JournalTotals:
     """The same figures from a full parse of every line (``iter_journal``), as the totals were first counted."""
     tables = []
     for path in http_journal.journal_files(folder, "or"):
-        tables.append(http_totals._table([http_totals._row(r) for r in iter_journal(path, http_journal.record_fields)]))
+        tables.append(http_totals._table([http_journal.projected_row(r)
+                                          for r in iter_journal(path, http_journal.record_fields)]))
     table = pa.concat_tables(tables)
     return http_totals.totals_of(table.filter(pc.equal(table.column("source"), "or")))
 
@@ -283,7 +284,7 @@ def full_parse_totals(folder: Path) -> http_totals.JournalTotals:
 def test_a_journal_projection_that_no_longer_holds_is_not_used(tmp_path: Path, caplog) -> None:
     """A file rewritten under its projection (other bytes before its offset), a projection that does not read,
     a torn last line: each counted as a full parse would count it."""
-    from pipeline.generate.sources.http.totals import TOTALS_DIR, journal_totals
+    from pipeline.generate.sources.http.totals import journal_totals
 
     folder = RunLayout(tmp_path).responses
     path = journal_path(tmp_path, "or", "a1")
@@ -291,7 +292,7 @@ def test_a_journal_projection_that_no_longer_holds_is_not_used(tmp_path: Path, c
         j.append(rec("s1", billed=10, generation_id="g1"))
         j.append(rec("s2", billed=20, generation_id="g2"))
     assert journal_totals(folder, "or").billed == {"d1": 30}
-    cache = folder / TOTALS_DIR / f"{path.name}.parquet"
+    cache = http_journal.projection_path(path)
     assert cache.is_file()
     first = path.read_bytes()
     path.write_bytes(first.replace(b'"s1"', b'"s9"').replace(b":10,", b":11,") + rec("s3", billed=5).to_json())
@@ -421,3 +422,33 @@ def test_sigkill_mid_stream_loses_nothing_append_returned_from(tmp_path: Path) -
     assert ids == list(range(len(ids)))  # in order, no hole, no duplicate
     # Every record whose append returned is in the file; at most one more (returned, not yet reported).
     assert returned <= len(ids) <= returned + 1
+
+
+def test_the_writer_keeps_its_projection_so_the_next_reader_parses_nothing(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HTTP source stores its journal's projection when idle: a finished run's status and resume count
+    from it without parsing a line, the same figures as a full parse; a reopened file's writer leaves it."""
+    from pipeline.generate.sources.http.totals import journal_totals
+
+    folder = RunLayout(tmp_path).responses
+    path = journal_path(tmp_path, "or", "a1")
+    j = ResponseJournal(path)
+    for i in range(5):
+        j.append(rec(f"s{i}", billed=10 + i, cost=0.01 * i, generation_id=f"g{i % 4}",
+                     kind="gave_up" if i == 3 else "response", error="timeout" if i == 3 else ""))
+    j.store_projection()
+    stored = http_journal.projection_path(path).stat().st_mtime_ns
+    j.store_projection()  # nothing appended since: not written again
+    assert http_journal.projection_path(path).stat().st_mtime_ns == stored
+    j.close()
+    parses = []
+    real = http_totals.record_fields
+    monkeypatch.setattr(http_totals, "record_fields", lambda line: parses.append(1) or real(line))
+    assert journal_totals(folder, "or") == full_parse_totals(folder) and parses == []
+    again = ResponseJournal(path)  # reopened (a restarted actor of the same id): readers parse its appends
+    again.append(rec("s9", billed=1))
+    again.store_projection()
+    again.close()
+    assert http_journal.projection_path(path).stat().st_mtime_ns == stored
+    http_totals._TOTALS.clear()
+    assert journal_totals(folder, "or") == full_parse_totals(folder) and len(parses) == 1

@@ -208,19 +208,22 @@ class HttpEngine:
         return self._session
 
     async def close(self) -> None:
-        """Close this session (and flush the journal). The session is let go before the await: a batch that
-        starts while it closes opens its own, which a later ``self._session = None`` would have orphaned with
-        its open connections (aiohttp's "Unclosed client session", seen on the scale bench)."""
+        """Close this session (and flush the journal, its projection kept). The session is let go before the
+        await: a batch that starts while it closes opens its own, which a later ``self._session = None`` would
+        have orphaned with its open connections (aiohttp's "Unclosed client session", seen on the scale bench)."""
         session, self._session = self._session, None
         if session is not None and not session.closed:
             await session.close()
-        self.flush()
+        self.flush(projection=True)
 
-    def flush(self) -> None:
-        """Write the journal's buffered records out (an idle actor's, so a kill loses none it was billed for)."""
+    def flush(self, projection: bool = False) -> None:
+        """Write the journal's buffered records out (an idle actor's, so a kill loses none it was billed for);
+        with ``projection``, also keep its projection for the next resume and ``status`` (``totals``)."""
         if self.journal is not None:
             try:
                 self.journal.flush()
+                if projection:
+                    self.journal.store_projection()
             except JournalError as e:  # already a halt (the append that failed said so); closing must not fail
                 log.error("source %r: %s", self.source_name, self.redact(str(e)))
 

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pipeline.base.layout import RunLayout
+import pyarrow as pa
+
+from pipeline.base.layout import RunLayout, atomic_write_table
 
 try:
     import orjson
@@ -158,6 +160,58 @@ def journal_path(out: str | Path, source: str, actor_uuid: str) -> Path:
     return RunLayout(out).responses / f"{source}-{actor_uuid}.jsonl"
 
 
+# -- the projection: the fields a resume and ``status`` count, kept beside each file ----------------------------
+# (read by ``totals``; written by a file's writer when idle and by a reader that parsed the file)
+
+PROJECTION_VERSION = 1
+PROJECTION_META = b"pipeline.journal_projection"
+PROJECTION_DIR = ".totals"
+DIGEST_BYTES = 4096  # the bytes before the offset that must still be there for a projection to hold
+PROJECTION_SCHEMA = pa.schema([("source", pa.string()), ("sample_id", pa.string()), ("dataset", pa.string()),
+                               ("kind", pa.string()), ("generation_id", pa.string()), ("charged", pa.int64()),
+                               ("cost", pa.float64()), ("error", pa.string())])
+PROJECTION_CHUNK = 65_536  # rows a writer holds as Python before they become an Arrow batch
+
+
+def projection_path(path: Path) -> Path:
+    """Where the projection of journal file ``path`` is kept."""
+    return path.parent / PROJECTION_DIR / f"{path.name}.parquet"
+
+
+def projected_row(rec: Mapping[str, Any]) -> tuple[Any, ...]:
+    """One checked journal line's (``record_fields``) counted fields, in ``PROJECTION_SCHEMA``'s order."""
+    charged = rec.get("charged_tokens")
+    charged = rec.get("billed_completion_tokens", 0) if charged is None else charged
+    return (rec["source"], rec["sample_id"], rec["dataset"], rec.get("kind", "response"),
+            str(rec.get("generation_id") or ""), max(0, int(charged)), float(rec.get("cost") or 0.0),
+            str(rec.get("error") or ""))
+
+
+def projection_batch(rows: list[tuple[Any, ...]]) -> pa.RecordBatch:
+    columns = list(zip(*rows, strict=True)) if rows else [[] for _ in PROJECTION_SCHEMA]
+    return pa.record_batch([pa.array(c, f.type) for c, f in zip(columns, PROJECTION_SCHEMA, strict=True)],
+                           schema=PROJECTION_SCHEMA)
+
+
+def tail_digest(fd: int, offset: int) -> str:
+    """A digest of the ``DIGEST_BYTES`` of open file ``fd`` before ``offset``: what must not have changed."""
+    start = max(0, offset - DIGEST_BYTES)
+    return hashlib.sha256(os.pread(fd, offset - start, start)).hexdigest()
+
+
+def store_projection(path: Path, table: pa.Table, fd: int, offset: int) -> None:
+    """Keep ``table`` as the projection of ``path``'s first ``offset`` bytes (``fd``: the file, open). Best
+    effort: a folder this process may not write (status run by another user) is only slower to read later."""
+    st = os.fstat(fd)
+    meta = {"v": PROJECTION_VERSION, "offset": offset, "ino": st.st_ino, "digest": tail_digest(fd, offset)}
+    cache = projection_path(path)
+    try:
+        cache.parent.mkdir(exist_ok=True)
+        atomic_write_table(table.replace_schema_metadata({PROJECTION_META: json.dumps(meta).encode()}), cache)
+    except OSError as e:
+        log.debug("journal projection %s not written: %s", cache, e)
+
+
 class JournalError(RuntimeError):
     """The journal cannot record billed responses (a write or fsync failed): the source must stop sending.
 
@@ -194,6 +248,13 @@ class ResponseJournal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         self._heal_tail()
+        # The projection of what this writer appends (``store_projection``), kept only for a file it began:
+        # a reopened file's readers parse what it held, then take the stored rest.
+        self._start = os.fstat(self._fd).st_size
+        self._bytes = 0  # appended by this writer
+        self._stored = -1  # self._bytes when the projection was last stored
+        self._batches: list[pa.RecordBatch] = []
+        self._rows: list[tuple[Any, ...]] = []
         self._write_lock = threading.Lock()  # orders appends; guards _closed and the descriptor's life
         self._sync_lock = threading.Lock()  # one fsync at a time, never across close
         self._stop = threading.Event()
@@ -231,6 +292,29 @@ class ResponseJournal:
                 self._fail(e, "write")
                 raise self._failure() from e
             self.written += 1
+            self._bytes += len(line)
+            self._rows.append((record.source, record.sample_id, record.dataset, record.kind,
+                               record.generation_id or "", record.charged, float(record.cost or 0.0),
+                               record.error or ""))
+            if len(self._rows) >= PROJECTION_CHUNK:
+                self._batches.append(projection_batch(self._rows))
+                self._rows = []
+
+    def store_projection(self) -> None:
+        """Keep the projection of everything this writer appended beside the file (``totals`` reads it), when
+        the file is the writer's own from its first byte and holds exactly what it appended; a writer calls
+        it when idle (the HTTP source's idle close). Skipped when nothing was appended since the last one."""
+        with self._write_lock:
+            if self._closed or self.error is not None or self._start or self._stored == self._bytes:
+                return
+            if os.fstat(self._fd).st_size != self._bytes:  # written by someone else too: leave it to readers
+                return
+            if self._rows:
+                self._batches.append(projection_batch(self._rows))
+                self._rows = []
+            table = pa.Table.from_batches(self._batches, schema=PROJECTION_SCHEMA)
+            store_projection(self.path, table, self._fd, self._bytes)
+            self._stored = self._bytes
 
     def flush(self) -> None:
         """fsync now (blocking); raises :class:`JournalError` if the journal failed (now or before)."""

@@ -1,18 +1,18 @@
 """What a resume and ``status`` count from a source's response journal, without parsing it whole each time.
 
-Each journal file is append-only (one writer, ``journal.ResponseJournal``), ~770 bytes a record with the
-answer's text; at 200,000 records a parse took ~2 s of one core on every resume and every ``status``. Beside
-each file, ``responses/.totals/{file}.parquet`` keeps the few fields the counts need (source, sample id,
-dataset, kind, generation id, charged tokens, cost, error) for the file's bytes up to its last whole line,
-with that offset and a digest of the bytes before it. A reader takes the projection while the file still
-holds those bytes (same inode, at least as long, the same bytes before the offset) and parses only what was
-appended since; anything else (no projection, one that does not read, a file rewritten) is a full parse.
-Writing the projection is best effort: a folder this process may not write is only slower to read.
+Each journal file is append-only (one writer, ``journal.ResponseJournal``), ~770 bytes a record with the answer's
+text; at 200,000 records a parse took ~2 s of one core on every resume and every ``status``. Beside each file,
+``responses/.totals/{file}.parquet`` keeps the few fields the counts need (source, sample id, dataset, kind,
+generation id, charged tokens, cost, error) for the file's bytes up to its last whole line, with that offset and a
+digest of the bytes before it: the file's writer stores it when idle (the HTTP source's idle close, so a finished
+run leaves it), and a reader that parsed more of the file stores its own. A reader takes the projection while the
+file still holds those bytes (same inode, at least as long, the same bytes before the offset) and parses only what
+was appended since; anything else (no projection, one that does not read, a file rewritten) is a full parse. Writing
+the projection is best effort: a folder this process may not write is only slower to read.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,19 +24,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.base.layout import atomic_write_table
-from pipeline.generate.sources.http.journal import journal_files, record_fields
+from pipeline.generate.sources.http.journal import (
+    PROJECTION_META,
+    PROJECTION_SCHEMA,
+    PROJECTION_VERSION,
+    journal_files,
+    projected_row,
+    projection_batch,
+    projection_path,
+    record_fields,
+    store_projection,
+    tail_digest,
+)
 
 log = logging.getLogger(__name__)
-
-VERSION = 1
-META = b"pipeline.journal_projection"
-TOTALS_DIR = ".totals"
-DIGEST_BYTES = 4096  # the bytes before the offset that must still be there for the projection to hold
-SCHEMA = pa.schema([("source", pa.string()), ("sample_id", pa.string()), ("dataset", pa.string()),
-                    ("kind", pa.string()), ("generation_id", pa.string()), ("charged", pa.int64()),
-                    ("cost", pa.float64()), ("error", pa.string())])
-
 
 @dataclass(frozen=True)
 class JournalTotals:
@@ -52,17 +53,8 @@ class JournalTotals:
     responded: dict[str, str]
 
 
-def _row(rec: dict[str, Any]) -> tuple[Any, ...]:
-    charged = rec.get("charged_tokens")
-    charged = rec.get("billed_completion_tokens", 0) if charged is None else charged
-    return (rec["source"], rec["sample_id"], rec["dataset"], rec.get("kind", "response"),
-            str(rec.get("generation_id") or ""), max(0, int(charged)), float(rec.get("cost") or 0.0),
-            str(rec.get("error") or ""))
-
-
 def _table(rows: list[tuple[Any, ...]]) -> pa.Table:
-    columns = list(zip(*rows, strict=True)) if rows else [[] for _ in SCHEMA]
-    return pa.table([pa.array(c, f.type) for c, f in zip(columns, SCHEMA, strict=True)], schema=SCHEMA)
+    return pa.Table.from_batches([projection_batch(rows)])
 
 
 def _parse(path: Path, data: bytes, start: int) -> list[tuple[Any, ...]]:
@@ -73,17 +65,11 @@ def _parse(path: Path, data: bytes, start: int) -> list[tuple[Any, ...]]:
     for line in data.split(b"\n"):
         if line.strip():
             try:
-                rows.append(_row(record_fields(line)))
+                rows.append(projected_row(record_fields(line)))
             except (ValueError, TypeError) as e:
                 log.warning("journal %s: skipping the unreadable line at byte %d: %s", path, at, e)
         at += len(line) + 1
     return rows
-
-
-def _digest(fh: Any, offset: int) -> str:
-    start = max(0, offset - DIGEST_BYTES)
-    fh.seek(start)
-    return hashlib.sha256(fh.read(offset - start)).hexdigest()
 
 
 def _cached(cache: Path, fh: Any, st: os.stat_result) -> tuple[pa.Table, int] | None:
@@ -92,32 +78,24 @@ def _cached(cache: Path, fh: Any, st: os.stat_result) -> tuple[pa.Table, int] | 
         return None
     try:
         table = pq.read_table(cache)
-        meta = json.loads((table.schema.metadata or {}).get(META, b"null"))
-        if not isinstance(meta, dict) or meta.get("v") != VERSION or not table.schema.equals(SCHEMA):
+        meta = json.loads((table.schema.metadata or {}).get(PROJECTION_META, b"null"))
+        if not isinstance(meta, dict) or meta.get("v") != PROJECTION_VERSION \
+                or not table.schema.equals(PROJECTION_SCHEMA):
             return None
         offset = meta["offset"]
         if not isinstance(offset, int) or meta.get("ino") != st.st_ino or not 0 <= offset <= st.st_size:
             return None
-        if meta.get("digest") != _digest(fh, offset):
+        if meta.get("digest") != tail_digest(fh.fileno(), offset):
             return None
     except (pa.ArrowException, OSError, ValueError, KeyError, TypeError):
         return None
     return table, offset
 
 
-def _store(cache: Path, table: pa.Table, fh: Any, st: os.stat_result, offset: int) -> None:
-    meta = {"v": VERSION, "offset": offset, "ino": st.st_ino, "digest": _digest(fh, offset)}
-    try:
-        cache.parent.mkdir(exist_ok=True)
-        atomic_write_table(table.replace_schema_metadata({META: json.dumps(meta).encode()}), cache)
-    except OSError as e:  # a folder this process may not write (status run by another user): slower, not wrong
-        log.debug("journal projection %s not written: %s", cache, e)
-
-
 def file_projection(path: Path) -> pa.Table:
     """The projected rows of one journal file, in write order: its stored projection and what was appended
     since, the stored one brought up to date; a torn last line (a kill mid-write) is left out."""
-    cache = path.parent / TOTALS_DIR / f"{path.name}.parquet"
+    cache = projection_path(path)
     with open(path, "rb") as fh:
         st = os.fstat(fh.fileno())
         cached = _cached(cache, fh, st)
@@ -127,7 +105,7 @@ def file_projection(path: Path) -> pa.Table:
         whole = data.rfind(b"\n") + 1
         if whole:
             table = pa.concat_tables([table, _table(_parse(path, data[: whole - 1], start))])
-            _store(cache, table, fh, st, start + whole)
+            store_projection(path, table, fh.fileno(), start + whole)
     if data[whole:].strip():
         log.info("journal %s: skipping a torn last line (%d bytes)", path, len(data) - whole)
     return table
