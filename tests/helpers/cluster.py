@@ -21,9 +21,23 @@ from typing import Any
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: every socket is held until all are bound (a port asked for one at a time can
+    come back twice, and Ray refuses a node whose two services were given one port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+PORT_CLASH = "is trying to use a port number"  # ray start's words when a port it was given is taken
 
 
 class WorkerNode:
@@ -34,12 +48,13 @@ class WorkerNode:
         self.head_address = head_address
         self.resources = dict(resources or {})
         self.num_cpus = num_cpus
-        self.node_manager_port = free_port()
-        self.log = Path(temp_dir) / f"worker-node-{self.node_manager_port}.log"
         # Every service on a port of its own: the defaults (e.g. the agent's 52365) would clash between nodes.
-        ports = [f"--node-manager-port={self.node_manager_port}", f"--object-manager-port={free_port()}",
-                 f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                 f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+        self.node_manager_port, *others = free_ports(6)
+        self.log = Path(temp_dir) / f"worker-node-{self.node_manager_port}.log"
+        ports = [f"--node-manager-port={self.node_manager_port}", *(
+            f"--{name}-port={port}" for name, port in zip(
+                ("object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export",
+                 "runtime-env-agent"), others, strict=True))]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={head_address}", "--block",
              "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--resources={json.dumps(self.resources)}",
@@ -135,12 +150,22 @@ class Nodes:
         self.added: list[WorkerNode] = []
 
     def add(self, *, num_cpus: float = 1, resources: Mapping[str, float] | None = None,
-            wait: bool = True) -> WorkerNode:
-        node = WorkerNode(self.head_address, self.env, self.temp_dir, num_cpus=num_cpus, resources=resources)
-        self.added.append(node)
-        if wait:
-            node.wait_alive()
-        return node
+            wait: bool = True, tries: int = 3) -> WorkerNode:
+        """Start a node (and wait for it); a start that lost one of its ports to another process between the
+        pick and the bind (``PORT_CLASH``) is tried again on new ports."""
+        for attempt in range(tries):
+            node = WorkerNode(self.head_address, self.env, self.temp_dir, num_cpus=num_cpus, resources=resources)
+            self.added.append(node)
+            if not wait:
+                return node
+            try:
+                node.wait_alive()
+                return node
+            except RuntimeError as e:
+                if PORT_CLASH not in str(e) or attempt == tries - 1:
+                    raise
+                self.added.remove(node)
+        raise AssertionError("unreachable")
 
     def remove_all(self) -> None:
         """Stop every node first, then wait until Ray counts each one dead (so the waits overlap)."""
