@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from pipeline.generate.ledger import read_journal
+from pipeline.generate.sources.http.journal import PROJECTION_META, projection_path
 
 pytestmark = pytest.mark.slow
 
@@ -144,6 +145,10 @@ def test_outage_from_the_start_leaves_everything_to_do_then_resumes(tmp_path, re
     finally:
         server.stop()
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    # the run left each journal's projection up to date: the next status and resume parse no line of it
+    journals = [f for f in sorted((tmp_path / "out" / "responses").glob("*.jsonl")) if f.stat().st_size]
+    stored = [json.loads(pq.read_schema(projection_path(f)).metadata[PROJECTION_META]) for f in journals]
+    assert journals and [m["offset"] for m in stored] == [f.stat().st_size for f in journals]
     check_accounting(cfg, expect_to_do=0)
     assert counts["requests"] == ROWS  # every prompt asked once, now that the API is back
 
