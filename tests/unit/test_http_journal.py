@@ -452,3 +452,18 @@ def test_the_writer_keeps_its_projection_so_the_next_reader_parses_nothing(tmp_p
     assert http_journal.projection_path(path).stat().st_mtime_ns == stored
     http_totals._TOTALS.clear()
     assert journal_totals(folder, "or") == full_parse_totals(folder) and len(parses) == 1
+
+
+def test_a_journal_read_in_small_chunks_projects_the_same_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader holds a chunk, not the file (a 200,000-response journal is ~150 MB): lines cut at any chunk
+    boundary give the same projection as one read, and the torn last line stays out."""
+    path = journal_path(tmp_path, "or", "a1")
+    with ResponseJournal(path) as j:
+        for i in range(50):
+            j.append(rec(f"s{i}", billed=i, generation_id=f"g{i % 7}"))
+    with open(path, "ab") as f:
+        f.write(b'{"torn')
+    whole = http_totals.file_projection(path)
+    http_journal.projection_path(path).unlink()
+    monkeypatch.setattr(http_totals, "READ_CHUNK", 37)
+    assert http_totals.file_projection(path).equals(whole) and whole.num_rows == 50

@@ -92,22 +92,32 @@ def _cached(cache: Path, fh: Any, st: os.stat_result) -> tuple[pa.Table, int] | 
     return table, offset
 
 
+READ_CHUNK = 8 << 20  # bytes of a journal parsed at once: a reader's memory is a chunk, not the file
+
+
 def file_projection(path: Path) -> pa.Table:
     """The projected rows of one journal file, in write order: its stored projection and what was appended
-    since, the stored one brought up to date; a torn last line (a kill mid-write) is left out."""
+    since, read ``READ_CHUNK`` bytes at a time, the stored one brought up to date; a torn last line (a kill
+    mid-write) is left out."""
     cache = projection_path(path)
     with open(path, "rb") as fh:
         st = os.fstat(fh.fileno())
         cached = _cached(cache, fh, st)
         table, start = cached if cached is not None else (_table([]), 0)
         fh.seek(start)
-        data = fh.read()
-        whole = data.rfind(b"\n") + 1
-        if whole:
-            table = pa.concat_tables([table, _table(_parse(path, data[: whole - 1], start))])
-            store_projection(path, table, fh.fileno(), start + whole)
-    if data[whole:].strip():
-        log.info("journal %s: skipping a torn last line (%d bytes)", path, len(data) - whole)
+        parts, pos, carry = [table], start, b""
+        while chunk := fh.read(READ_CHUNK):
+            data = carry + chunk
+            whole = data.rfind(b"\n") + 1
+            if whole:
+                parts.append(_table(_parse(path, data[: whole - 1], pos)))
+                pos += whole
+            carry = data[whole:]
+        if pos > start:
+            table = pa.concat_tables(parts)
+            store_projection(path, table, fh.fileno(), pos)
+    if carry.strip():
+        log.info("journal %s: skipping a torn last line (%d bytes)", path, len(carry))
     return table
 
 
