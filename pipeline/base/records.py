@@ -111,10 +111,6 @@ def read_rows(folder: Path, columns: list[str]) -> list[dict[str, Any]]:
     return [row for _, table in shard_tables(folder, columns) for row in table.to_pylist()]
 
 
-def _read_shard(path: Path, columns: list[str]) -> list[dict[str, Any]]:
-    return _shard_table(path, columns).to_pylist()
-
-
 def _shard_table(path: Path, columns: list[str]) -> pa.Table:
     """One shard's named columns, in that order; an absent ``OPTIONAL_COLUMNS`` one reads as nulls. Anything
     else that does not read is ``UnreadableFile`` naming the file."""
