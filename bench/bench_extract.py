@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.base.layout import RunLayout  # noqa: E402
 from pipeline.hidden.extract import HiddenStateExtractor, right_pad, token_batches  # noqa: E402
 from pipeline.hidden.shards import shard_meta, write_shards  # noqa: E402
 from training.target import greedy_ids  # noqa: E402
@@ -74,7 +75,7 @@ def bench_model(name: str, model_dir: str, args, work: Path) -> dict:
         [2, cfg.num_hidden_layers // 2, cfg.num_hidden_layers - 3]
     rows = sample_rows(args.samples, min(cfg.vocab_size, 120_000), seed=0)
     batch = pa.Table.from_pylist(rows)
-    actor = HiddenStateExtractor(model_dir, aux, 4096, "truncate", args.batch_tokens, str(work / name / "q"),
+    actor = HiddenStateExtractor(model_dir, aux, 4096, "truncate", args.batch_tokens, RunLayout(work / name),
                                  stats_dir=str(work / name / "stats"))
     seqs = [r["prompt_ids"] + r["output_ids"] for r in rows]
     groups = token_batches([len(s) for s in seqs], args.batch_tokens)

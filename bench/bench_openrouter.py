@@ -94,7 +94,8 @@ async def _ours(url: str, n: int, conc: int, max_tokens: int, key: str) -> int:
     response journal (every paid answer appended to a run folder's ``responses/``, as in a run)."""
     import tempfile
 
-    from pipeline.base.config import OpenRouterSourceConfig
+    from pipeline.base.layout import RunLayout
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
     from pipeline.generate.sources.http.openrouter import OpenRouterGenerator
     from tests.helpers.http import local_ledger
 
@@ -102,7 +103,7 @@ async def _ours(url: str, n: int, conc: int, max_tokens: int, key: str) -> int:
                                  request_timeout_s=600, sampling={"max_tokens": max_tokens},
                                  budgets={"bench": 10**12})
     out_dir = tempfile.mkdtemp(prefix="bench-openrouter-")
-    gen = OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg, strict=True), output_dir=out_dir)
+    gen = OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg, strict=True), layout=RunLayout(out_dir))
     rows = [{"sample_id": f"bench:{i}", "dataset": "bench", "row_index": i, "messages": json.dumps(_messages(i)),
              "tools": "", "thinking": True, "prompt_ids": [0, 1, 2], "prompt_assistant_mask": [0, 0, 0]}
             for i in range(n)]

@@ -134,8 +134,8 @@ def passed(out: Path) -> dict[str, str]:
 
 def even_fragment(cfg_path: Path, plan: dict[str, Any]) -> dict[str, Any]:
     """The config keys that spend the plan's even split, made by the same code that makes the plan's."""
-    from pipeline.base.config import load_config
     from pipeline.base.layout import RunLayout
+    from pipeline.run.config import load_config
     from pipeline.run.plan import room, run_fragment
 
     cfg = load_config(str(cfg_path))

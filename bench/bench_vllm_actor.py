@@ -120,7 +120,7 @@ def main() -> None:
     build_tiny_target(args.model_dir)
     rows = flight_rows(args.model_dir, args.prompts)
     sampling = {"temperature": 0.0, "top_p": 1.0, "max_tokens": args.max_tokens, "seed": 0}
-    from pipeline.base.config import VLLMSourceConfig
+    from pipeline.generate.sources.engines.config import VLLMSourceConfig
 
     engine = VLLMSourceConfig(name="vllm-cpu", dtype="float32", max_model_len=2048, kv_cache_gib=1)
     ray.init(address="local", num_cpus=2, include_dashboard=False,

@@ -87,7 +87,7 @@ def main() -> int:
 
         build_tiny_target(args.model_dir)
 
-    from pipeline.base.config import SGLangSourceConfig
+    from pipeline.generate.sources.engines.config import SGLangSourceConfig
 
     engine = SGLangSourceConfig(name="sglang-gpu", dtype=args.dtype, max_model_len=2048, num_gpus=1,
                                 mem_fraction_static=0.5, attention_backend=args.attention_backend)

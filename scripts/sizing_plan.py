@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.base.config import load_config  # noqa: E402
 from pipeline.generate.sources.registry import source_kind  # noqa: E402
 from pipeline.hidden.extract import bytes_per_token  # noqa: E402
+from pipeline.run.config import load_config  # noqa: E402
 
 TB, GB = 1e12, 1e9
 

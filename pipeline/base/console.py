@@ -161,24 +161,9 @@ def served_line(result: Mapping[str, Any], elapsed_s: float) -> str:
 
 
 def describe_source(src: Any) -> str:
-    """``vllm-cpu (vllm, 1 actor)``, ``api (openrouter, model m, budgets chat 20k)`` from a source config."""
-    bits = [src.kind]
-    if getattr(src, "model", None):
-        bits.append(f"model {src.model}")
-    actors = getattr(src, "num_actors", None)
-    if actors:
-        most = getattr(src, "max_actors", None)
-        span = f"{actors}-{most}" if most and most != actors else str(actors)
-        bits.append(f"{span} actor{'s' if span != '1' else ''}")
-    budgets = getattr(src, "budgets", None) or {}
-    if budgets:
-        bits.append("budgets " + ", ".join(f"{d} {'unlimited' if b is None else quantity(b)}"
-                                           for d, b in budgets.items()))
-    usd = getattr(src, "budgets_usd", None) or {}
-    if usd:
-        bits.append("budgets_usd " + ", ".join(f"{d} {'unlimited' if b is None else f'${b:,.2f}'}"
-                                               for d, b in usd.items()))
-    return f"{src.name} ({', '.join(bits)})"
+    """``vllm-cpu (vllm, 1 actor)``, ``api (openrouter, model m, budgets chat 20k)`` from a source config (what
+    follows the kind is the schema's own ``describe``)."""
+    return f"{src.name} ({', '.join([src.kind, *src.describe()])})"
 
 
 def describe_training(training: Any, stated: bool) -> str:

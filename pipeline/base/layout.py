@@ -59,6 +59,11 @@ class RunLayout:
         return self.drafter / "export"
 
     @property
+    def export_config(self) -> Path:
+        """The exported drafter's config (written last by the export: its presence means a whole export)."""
+        return self.export / "config.json"
+
+    @property
     def metrics(self) -> Path:
         return self.drafter / "metrics.jsonl"
 
@@ -117,6 +122,15 @@ class RunLayout:
         return self.value / "value.json"
 
     @property
+    def value_stats(self) -> Path:
+        """The value run's own extraction statistics (the run's report sums ``extract_stats`` only)."""
+        return self.value / "stats"
+
+    def value_arm(self, arm: str) -> Path:
+        """One value drafter's folder: checkpoints, export, ``result.json`` (pipeline.value.arms)."""
+        return self.value / file_part(arm)
+
+    @property
     def plan(self) -> Path:
         """The latest ``python -m pipeline plan``: its budgets and the predicted gain (read by report.html)."""
         return self.value / "plan.json"
@@ -125,6 +139,11 @@ class RunLayout:
         """One dataset file's sample ids, for a resume that would otherwise parse the file again
         (pipeline.prompts.id_index)."""
         return self.root / "prompts" / f"{file_part(dataset)}.ids.parquet"
+
+    def response_journal(self, source: str, actor: str) -> Path:
+        """The response journal of one HTTP source actor (one writer per file; see
+        pipeline.generate.sources.http.journal)."""
+        return self.responses / f"{source}-{actor}.jsonl"
 
     def ledger(self, source: str) -> Path:
         """An API source's budget journal."""

@@ -13,7 +13,7 @@ What the extraction actor can hold, in GB (10^9 bytes), ``extraction.gpu_memory_
 
 It is a necessary condition, not a sufficient one: KV cache, activations and the captured states
 need room on top. CPU extraction (``num_gpus: 0``) is not checked. Pure stdlib: the schema layer
-(pipeline.base.config) imports this module, so it imports nothing of the runtime.
+(pipeline.run.config) imports this module, so it imports nothing of the runtime.
 """
 
 from __future__ import annotations

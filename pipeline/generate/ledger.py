@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pipeline.base.config import HealthConfig
+from pipeline.generate.sources.http.config import HealthConfig
 
 log = logging.getLogger(__name__)
 
@@ -656,8 +656,6 @@ def read_spend(layout: Any, sources: Sequence[Any]) -> dict[str, dict[str, tuple
             committed, _ = read_journal_both(str(layout.ledger(src.name)))
         except UnreadableFile:
             committed = {}
-        budgets = dict(getattr(src, "budgets", None) or {})
-        default = getattr(src, "default_budget", None)
-        names = sorted(set(budgets) | set(committed))
-        out[src.name] = {d: (committed.get(d, 0), budgets.get(d, default)) for d in names}
+        names = sorted(set(src.budgets) | set(committed))
+        out[src.name] = {d: (committed.get(d, 0), src.token_budget(d)) for d in names}
     return out

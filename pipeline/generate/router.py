@@ -60,7 +60,7 @@ def source_infos(sources: Sequence[Any], routing: RoutingConfig) -> list[SourceI
     for s in sources:
         route = routing.sources.get(s.name, SourceRoute())
         exact = source_kind(s).exact_ids
-        out.append(SourceInfo(s.name, s.kind, exact, exact or bool(getattr(s, "send_tools", False)),
+        out.append(SourceInfo(s.name, s.kind, exact, exact or s.tools_sent(),
                               route.role, route.weight, route.capacity))
     return out
 

@@ -99,15 +99,12 @@ class WriteShards:
     its memory holds every write of its pass.
     """
 
-    def __init__(self, output_dir: str, lock_path: str | None = None, token: str | None = None,
-                 done_ids: Iterable[str] | None = None) -> None:
-        if (lock_path is None) != (token is None):
-            raise ValueError("WriteShards: pass both lock_path and token, or neither")
-        layout = RunLayout(output_dir)
+    def __init__(self, layout: RunLayout, token: str | None = None, done_ids: Iterable[str] | None = None) -> None:
         self.samples, self.quarantine = layout.samples, layout.quarantine
         self.samples.mkdir(parents=True, exist_ok=True)
         self.quarantine.mkdir(parents=True, exist_ok=True)
-        self.lock_path, self.token = lock_path, token
+        # ``token``: the run lock's (layout.lock), checked before every shard; None: no lock to honour
+        self.lock_path, self.token = (str(layout.lock), token) if token is not None else (None, None)
         self.written: set[str] = set() if done_ids is None else set(done_ids)
         self.written.update(read_ids(self.samples) | read_ids(self.quarantine))
 

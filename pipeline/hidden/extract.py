@@ -504,7 +504,7 @@ class HiddenStateExtractor:
     """
 
     def __init__(self, model_dir: str, aux_layer_ids: list[int], max_len: int, too_long: str,
-                 batch_tokens: int, quarantine_dir: str, *, backend: str = "transformers", dtype: str = "auto",
+                 batch_tokens: int, layout: RunLayout, *, backend: str = "transformers", dtype: str = "auto",
                  device: str | None = None, device_map: str | None = None, out_dtype: str = "float32",
                  stats_dir: str | None = None, vllm_options: dict[str, Any] | None = None,
                  target_ids: bool = True) -> None:
@@ -518,8 +518,8 @@ class HiddenStateExtractor:
         self.aux_layer_ids = check_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
         self.hidden = cfg.hidden_size
         self.max_len, self.too_long, self.batch_tokens, self.out_dtype = max_len, too_long, batch_tokens, out_dtype
-        self.quarantine_dir = Path(quarantine_dir)
-        self.stats_path = Path(stats_dir or RunLayout(self.quarantine_dir.parent).extract_stats) / \
+        self.quarantine_dir = layout.quarantine
+        self.stats_path = Path(stats_dir or layout.extract_stats) / \
             f"extract-{socket.gethostname()}-{os.getpid()}.json"
         self.backend, self.target_ids = backend, target_ids
         if backend == "transformers":

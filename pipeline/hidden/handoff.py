@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 
-from pipeline.base.config import ExtractionConfig, RunConfig
+from pipeline.base.config import ExtractionConfig
 from pipeline.base.console import Console, ExtractWatch, TrainWatch, heldout_line, served_line
 from pipeline.base.layout import RunLayout, atomic_write_json
 from pipeline.base.records import read_samples, read_samples_dataset
 from pipeline.report.summary import Timings
 
 if TYPE_CHECKING:
+    from pipeline.run.config import RunConfig
     from training.vocab import VocabMapping
 
 DATA_FILE = "data.json"  # in drafter/: which training samples its checkpoints were made from
@@ -85,7 +86,7 @@ class Handoff:
         return self.split(samples, keep_heldout).map_batches(
             HiddenStateExtractor,
             fn_constructor_args=(self.cfg.model.path, self.aux_layer_ids, ex.max_len, ex.too_long, ex.batch_tokens,
-                                 str(self.layout.quarantine)),
+                                 self.layout),
             fn_constructor_kwargs=self.extractor_kwargs() | {"out_dtype": ex.shard_dtype},
             batch_format="pyarrow", batch_size=ex.rows_per_call,
             compute=ray.data.ActorPoolStrategy(size=ex.num_actors), **self.resources(),
@@ -101,7 +102,7 @@ class Handoff:
         extract_to_shards(lay.samples, out_dir or lay.hidden, model_dir=self.cfg.model.path,
                           aux_layer_ids=self.aux_layer_ids, max_len=ex.max_len, too_long=ex.too_long,
                           batch_tokens=ex.batch_tokens,
-                          quarantine_dir=lay.quarantine, samples_per_shard=ex.samples_per_shard,
+                          layout=lay, samples_per_shard=ex.samples_per_shard,
                           rows_per_call=ex.rows_per_call, dtype=ex.shard_dtype, num_actors=ex.num_actors,
                           num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=kwargs,
                           ray_resources=self.resources())

@@ -13,12 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 
-from pipeline.base.config import RunConfig
 from pipeline.generate.sources.registry import drafter_server
+
+if TYPE_CHECKING:
+    from pipeline.generate.sources.engines.config import VLLMSourceConfig
+    from pipeline.run.config import RunConfig
 
 
 def heldout_prompts(samples_dir: Path, sample_ids: Collection[str]) -> list[list[int]]:
@@ -53,7 +56,7 @@ def measure_served(cfg: RunConfig, export_dir: str, samples_dir: Path, heldout: 
 
     from training.served import agreement
 
-    src = drafter_server(cfg.sources)
+    src: VLLMSourceConfig | None = drafter_server(cfg.sources)  # the one kind that serves_drafter
     if src is None:
         return {"skipped": "no source whose engine serves an EAGLE-3 drafter (kind vllm) in this run"}
     if src.tensor_parallel_size > 1:
@@ -67,7 +70,7 @@ def measure_served(cfg: RunConfig, export_dir: str, samples_dir: Path, heldout: 
                                              resources=dict(src.resources), max_retries=0)
     try:
         served = ray.get(task.remote(cfg.model.path, export_dir, prompts, k, cfg.sampling.max_tokens,
-                                     src.max_model_len, src.dtype, getattr(src, "kv_cache_gib", 1)))
+                                     src.max_model_len, src.dtype, src.kv_cache_gib))
     except (ray.exceptions.RayError, OSError) as e:  # the task's worker died (OOM, a lost node): reported, not fatal
         return {"error": f"the served measure's task failed: {type(e).__name__}: {str(e)[:300]}"}
     if "error" in served or heldout.get("acceptance_length") is None:

@@ -329,15 +329,15 @@ SAMPLE_COLUMNS = ["sample_id", "dataset", "row_index", "source", "prompt_ids", "
 
 
 def extract_to_shards(samples_dir: str | Path, out_dir: str | Path, *, model_dir: str, aux_layer_ids: list[int],
-                      max_len: int, too_long: str, batch_tokens: int, quarantine_dir: str | Path,
+                      max_len: int, too_long: str, batch_tokens: int, layout: RunLayout,
                       samples_per_shard: int = 64, rows_per_call: int = 64, dtype: str = "float32",
                       num_actors: int = 1, num_cpus: float = 1.0, num_gpus: float = 0.0,
                       extractor_kwargs: dict[str, Any] | None = None,
                       ray_resources: dict[str, Any] | None = None) -> dict[str, Any]:
     """Samples parquet -> extraction actors -> shard writer; resumable. Returns the index summary.
 
-    Samples already in complete shards, or quarantined by an earlier extraction, are filtered
-    out before the target runs.
+    Samples already in complete shards, or quarantined by an earlier extraction (in ``layout.quarantine``,
+    where this extraction quarantines too), are filtered out before the target runs.
     ``dtype=bfloat16`` halves the bytes (lossless for states captured in bf16 on GPU).
     ``ray_resources`` (``map_batches`` resource arguments, e.g. a TP engine's placement group; see
     pipeline.hidden.handoff.extraction_resources) replace ``num_cpus``/``num_gpus`` when given.
@@ -352,7 +352,7 @@ def extract_to_shards(samples_dir: str | Path, out_dir: str | Path, *, model_dir
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
     done = completed_sample_ids(out)
-    skipped = quarantined_ids(quarantine_dir) - done
+    skipped = quarantined_ids(layout.quarantine) - done
     hidden = read_target_config(model_dir)["hidden_size"]
     meta = shard_meta(aux_layer_ids, hidden, dtype, model=str(model_dir))
     existing = load_index(out)["meta"]
@@ -379,7 +379,7 @@ def extract_to_shards(samples_dir: str | Path, out_dir: str | Path, *, model_dir
     ds = samples.map_batches(not_done, batch_format="pyarrow")
     ds = ds.map_batches(
         HiddenStateExtractor,
-        fn_constructor_args=(model_dir, aux_layer_ids, max_len, too_long, batch_tokens, str(quarantine_dir)),
+        fn_constructor_args=(model_dir, aux_layer_ids, max_len, too_long, batch_tokens, layout),
         fn_constructor_kwargs=kwargs, batch_format="pyarrow", batch_size=rows_per_call,
         compute=ray.data.ActorPoolStrategy(size=num_actors),
         **(ray_resources or {"num_cpus": num_cpus, "num_gpus": num_gpus}),

@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -303,16 +303,27 @@ def _not_parquet(path: Path, e: Exception) -> DatasetError:
     return DatasetError(f"{path}: not a valid Parquet file: {why}")
 
 
-def _parquet_rows(path: Path) -> Iterator[Any]:
-    """Row group by row group (pyarrow batches), so a large file is never one table in memory."""
+def _parquet_rows(path: Path, want: Collection[int] | None = None) -> Iterator[tuple[int, Any]]:
+    """Row group by row group (pyarrow batches), so a large file is never one table in memory; with ``want``
+    only those rows become Python objects."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     _check_file(path)
+    last = max(want, default=-1) if want is not None else None
     try:
         with pq.ParquetFile(path) as f:
+            at = 0
             for batch in f.iter_batches():
-                yield from batch.to_pylist()
+                if want is None:
+                    yield from enumerate(batch.to_pylist(), at)
+                else:
+                    picked = [i - at for i in range(at, at + batch.num_rows) if i in want]
+                    yield from zip((at + i for i in picked), batch.take(pa.array(picked, pa.int64())).to_pylist(),
+                                   strict=True)
+                at += batch.num_rows
+                if last is not None and at > last:
+                    return
     except PermissionError as e:
         raise _unreadable(path, e) from None
     except (pa.ArrowException, OSError) as e:  # a corrupt footer is ArrowInvalid, corrupt metadata an OSError
@@ -377,18 +388,28 @@ def _file_chunks(path: Path, size: int = _CHUNK) -> Iterator[bytes]:
         raise _unreadable(path, e) from None
 
 
-def _jsonl_rows(path: Path, lines: Iterator[bytes]) -> Iterator[tuple[int, Any]]:
-    """Decoded line by line, so one line that is not UTF-8 or not JSON is one quarantined row, not a failed run."""
+def _jsonl_rows(path: Path, lines: Iterator[bytes],
+                want: Collection[int] | None = None) -> Iterator[tuple[int, Any]]:
+    """Decoded line by line, so one line that is not UTF-8 or not JSON is one quarantined row, not a failed run.
+    With ``want``, only those rows are parsed (a line is still decoded to know whether it is a row) and
+    reading stops after the last of them."""
     index = 0
+    last = max(want, default=-1) if want is not None else None
     for lineno, line in enumerate(lines, 1):  # \n, \r\n and \r, as text mode splits
+        if last is not None and index > last:
+            return
         where = f"{path.name} line {lineno}"
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            yield index, _bad_line(f"line is not valid UTF-8 ({where}): {e.reason} at byte {e.start}", line)
+            if want is None or index in want:
+                yield index, _bad_line(f"line is not valid UTF-8 ({where}): {e.reason} at byte {e.start}", line)
             index += 1
             continue
         if not text.strip():
+            continue
+        if want is not None and index not in want:
+            index += 1
             continue
         try:
             yield index, json.loads(text)
@@ -397,20 +418,22 @@ def _jsonl_rows(path: Path, lines: Iterator[bytes]) -> Iterator[tuple[int, Any]]
         index += 1
 
 
-def read_raw_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
+def read_raw_rows(path: str | Path, want: Collection[int] | None = None) -> Iterator[tuple[int, Any]]:
     """(row index, row) pairs; a JSONL line that is not UTF-8 or not JSON yields a RowError in place of the row.
 
     Streamed: a JSONL file is read a chunk at a time and a Parquet file a row group at a time (a .json file
     holds one list, read whole). A file that cannot be read as a whole (a folder, missing, not valid JSON or
-    Parquet) raises DatasetError, when the iteration reaches it.
+    Parquet) raises DatasetError, when the iteration reaches it. ``want``: only the rows of these indices (a
+    resume that knows from the id index which rows are left), the others not parsed.
     """
     path = Path(path)
     if path.suffix == ".parquet":
-        yield from enumerate(_parquet_rows(path))
+        yield from _parquet_rows(path, want)
     elif path.suffix == ".json":
-        yield from enumerate(_json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8)))
+        rows = enumerate(_json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8)))
+        yield from rows if want is None else ((i, r) for i, r in rows if i in want)
     else:
-        yield from _jsonl_rows(path, _split_lines(_file_chunks(path)))
+        yield from _jsonl_rows(path, _split_lines(_file_chunks(path)), want)
 
 
 def warn_empty(cfg: DatasetConfig) -> None:
@@ -429,15 +452,17 @@ def _bad_row(cfg: DatasetConfig, index: int, raw: Any, e: RowError) -> dict[str,
     }
 
 
-def iter_dataset(cfg: DatasetConfig, warn: bool = True) -> Iterator[tuple[bool, dict[str, Any]]]:
+def iter_dataset(cfg: DatasetConfig, warn: bool = True,
+                 rows: Collection[int] | None = None) -> Iterator[tuple[bool, dict[str, Any]]]:
     """``(True, prompt row)`` or ``(False, quarantine row)`` per input row, in file order, streamed (no row is
     held after it is yielded); reading stops at ``max_rows``. The ids are a function of the dataset's name,
     the row's index and its content only, so any process reading the file assigns the same ones.
 
     ``warn``: log ``warn_empty`` for a file without rows (a caller that reports elsewhere passes False).
+    ``rows``: only the rows of these indices, the others not parsed.
     """
     n = 0
-    for index, raw in read_raw_rows(cfg.path):
+    for index, raw in read_raw_rows(cfg.path, rows):
         if cfg.max_rows is not None and index >= cfg.max_rows:
             break
         n += 1

@@ -97,6 +97,16 @@ def indexed_rows(path: Path, d: DatasetConfig) -> int | None:
     return None if table is None else table.num_rows
 
 
+def rows_left(table: pa.Table, skip: set[str], only: set[str] | None = None) -> set[int]:
+    """The indices of the rows a generation pass reads (parsed, not in ``skip``, in ``only`` when given): the
+    read parses these rows only."""
+    ids = table.column("sample_id")
+    keep = pc.and_(table.column("ok"), pc.invert(pc.is_in(ids, value_set=pa.array(list(skip), pa.string()))))
+    if only is not None:
+        keep = pc.and_(keep, pc.is_in(ids, value_set=pa.array(list(only), pa.string())))
+    return set(pc.indices_nonzero(keep).to_pylist())
+
+
 def indexed_counts(table: pa.Table, skip: set[str], worn: set[str]) -> int | None:
     """The prompts left to do by the index alone (rows that parsed, not in ``skip``), or None when a row not in
     ``skip`` needs its content: a malformed or worn-out row the index pass must write to quarantine."""

@@ -32,7 +32,8 @@ from pipeline.prompts.datasets import check_dataset, iter_dataset, warn_empty
 if TYPE_CHECKING:
     import ray.data
 
-    from pipeline.base.config import DatasetConfig, RunConfig
+    from pipeline.base.config import DatasetConfig
+    from pipeline.run.config import RunConfig
 
 # The columns and types ``ray.data.from_items`` gave the prompt dicts (the stages read them by name).
 PROMPT_SCHEMA = pa.schema([
@@ -88,16 +89,17 @@ def _write_quarantine(rows: list[dict[str, Any]], folder: Path) -> None:
                                                                                               for b in rows]))
 
 
-def index_dataset(d: DatasetConfig, quarantine: str, skip: set[str], worn: dict[str, dict[str, str]],
-                  index: str | None = None) -> Counter:
+def index_dataset(d: DatasetConfig, layout: RunLayout, skip: set[str], worn: dict[str, dict[str, str]], *,
+                  keep_index: bool = True) -> Counter:
     """One dataset's index (an index task's body): its malformed rows and worn-out prompts not in ``skip``
-    written to ``quarantine``; returns ``{name}.rows`` (every row, good or bad) and ``TO_DO``.
+    written to the run's quarantine; returns ``{name}.rows`` (every row, good or bad) and ``TO_DO``.
 
-    ``index``: where the file's ids are kept (``id_index``). When it holds for the file as it is now and no
-    row left to do needs writing to quarantine, the counts come from it and the file is not parsed; a full
-    pass writes it anew."""
+    ``keep_index``: the file's ids are kept in ``layout.prompt_index`` (``id_index``). When that holds for the
+    file as it is now and no row left to do needs writing to quarantine, the counts come from it and the file
+    is not parsed; a full pass writes it anew."""
+    index = layout.prompt_index(d.name) if keep_index else None
     key = id_index.index_key(d) if index is not None else None
-    if index is not None and (table := id_index.read_index(Path(index), key)) is not None:
+    if index is not None and (table := id_index.read_index(index, key)) is not None:
         to_do = id_index.indexed_counts(table, skip, set(worn))
         if to_do is not None:
             return Counter({f"{d.name}.rows": table.num_rows, TO_DO: to_do})
@@ -117,11 +119,11 @@ def index_dataset(d: DatasetConfig, quarantine: str, skip: set[str], worn: dict[
         else:
             counts[TO_DO] += 1
         if len(bad) >= QUARANTINE_CHUNK:
-            _write_quarantine(bad, Path(quarantine))
+            _write_quarantine(bad, layout.quarantine)
             bad = []
-    _write_quarantine(bad, Path(quarantine))
-    if key is not None and id_index.index_key(d) == key:  # the file did not change while it was read
-        id_index.write_index(Path(index), key, seen.table())
+    _write_quarantine(bad, layout.quarantine)
+    if index is not None and key is not None and id_index.index_key(d) == key:  # the file did not change meanwhile
+        id_index.write_index(index, key, seen.table())
     return counts
 
 
@@ -146,8 +148,7 @@ def index_prompts(cfg: RunConfig, layout: RunLayout, skip: set[str] | Any,
     skip_ref = skip if isinstance(skip, ray.ObjectRef) else ray.put(skip)
     worn_ref = worn if isinstance(worn, ray.ObjectRef) else ray.put(worn)
     task = ray.remote(num_cpus=INDEX_CPUS)(index_dataset)
-    refs = [task.remote(d, str(layout.quarantine), skip_ref, worn_ref, str(layout.prompt_index(d.name)))
-            for d in cfg.datasets]
+    refs = [task.remote(d, layout, skip_ref, worn_ref) for d in cfg.datasets]
     counts: Counter = Counter()
     try:
         for c in ray.get(refs):
@@ -169,13 +170,22 @@ def _dataset_of(sample_id: str) -> str:
     return sample_id.rsplit(":", 2)[0]
 
 
-def todo_rows(d: DatasetConfig, skip: set[str], only: set[str] | None = None) -> Iterator[dict[str, Any]]:
+def todo_rows(d: DatasetConfig, skip: set[str], only: set[str] | None = None,
+              index: str | Path | None = None) -> Iterator[dict[str, Any]]:
     """One dataset's prompt rows not in ``skip`` (and in ``only``, when given), in file order; with ``only``
-    the file is read until its last wanted row."""
+    the file is read until its last wanted row.
+
+    ``index``: the file's id index (``id_index``); while it holds for the file, only the rows it says are left
+    are parsed (a resume with a tenth left parses a tenth of the file). The rows read are checked as before."""
     wanted = None if only is None else {s for s in only if _dataset_of(s) == d.name}
     if wanted is not None and not wanted:
         return
-    for ok, row in iter_dataset(d, warn=False):
+    rows = None
+    if index is not None and (table := id_index.read_index(Path(index), id_index.index_key(d))) is not None:
+        rows = id_index.rows_left(table, skip, wanted)
+        if not rows:
+            return
+    for ok, row in iter_dataset(d, warn=False, rows=rows):
         sid = row["sample_id"]
         if not ok or sid in skip:
             continue
@@ -206,12 +216,13 @@ def _resolve(value: Any) -> Any:
     return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
-def _read_blocks(batch: pa.Table, datasets: list[DatasetConfig], skip: Any, only: Any,
+def _read_blocks(batch: pa.Table, datasets: list[DatasetConfig], layout: RunLayout, skip: Any, only: Any,
                  block_rows: int) -> Iterator[pa.Table]:
     """The read stage's UDF: each input row names one dataset, read here, in the worker."""
     skip, only = _resolve(skip), _resolve(only)
     for i in batch.column("index").to_pylist():
-        yield from row_blocks(todo_rows(datasets[i], skip, only), block_rows)
+        d = datasets[i]
+        yield from row_blocks(todo_rows(d, skip, only, layout.prompt_index(d.name)), block_rows)
 
 
 def prompt_dataset(cfg: RunConfig, skip_ref: Any, only: set[str] | Any | None, block_rows: int) -> ray.data.Dataset:
@@ -234,8 +245,8 @@ def prompt_dataset(cfg: RunConfig, skip_ref: Any, only: set[str] | Any | None, b
     indices = [i for i, d in enumerate(cfg.datasets) if wanted is None or d.name in wanted]
     items = ray.data.from_items([{"index": i} for i in indices], override_num_blocks=max(1, len(indices)))
     ds = items.map_batches(_read_blocks, batch_size=1, batch_format="pyarrow", num_cpus=0,
-                           fn_kwargs={"datasets": list(cfg.datasets), "skip": skip_ref, "only": only,
-                                      "block_rows": block_rows})
+                           fn_kwargs={"datasets": list(cfg.datasets), "layout": RunLayout(cfg.output_dir),
+                                      "skip": skip_ref, "only": only, "block_rows": block_rows})
     ds = ds.repartition(target_num_rows_per_block=block_rows)
     # The pass's own context (from_items copied the driver's; every stage after the read shares it), so a block
     # of long answers past the bound is cut in the stages too: the writer takes batches of block_rows rows.

@@ -12,8 +12,6 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pipeline.base.config import EngineSourceConfig
-
 COST_COLUMNS = ["sample_id", "dataset", "source", "output_ids", "cost", "engine_s"]
 
 
@@ -27,8 +25,9 @@ def _num(value: Any) -> float:
 
 
 def engine_prices(sources: Iterable[Any]) -> dict[str, float | None]:
-    """Source name -> dollars per device-hour (None where unpriced) for every local engine source."""
-    return {s.name: s.gpu_hour_usd for s in sources if isinstance(s, EngineSourceConfig)}
+    """Source name -> dollars per device-hour of its engine (None where unpriced, as for an HTTP source, whose
+    samples carry their bill)."""
+    return {s.name: s.device_hour_usd() for s in sources}
 
 
 def sample_usd(row: Mapping[str, Any], prices: Mapping[str, float | None]) -> float:

@@ -6,19 +6,22 @@ Neither may fail the run: each step logs its error and the next one runs.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.base.layout import RunLayout
 from pipeline.report.html import write_report_html
 
+if TYPE_CHECKING:
+    from pipeline.run.config import RunConfig
+
 log = logging.getLogger("pipeline")
 
 
-def publish_report(cfg: Any, layout: RunLayout, report: dict[str, Any]) -> None:
+def publish_report(cfg: RunConfig, layout: RunLayout, report: dict[str, Any]) -> None:
     """``OUTPUT/report.html``, then the report's data-side figures to the training trackers (TensorBoard,
     W&B, MLflow as ``training.trackers`` names them) at the drafter's last step."""
     write_report_html(layout, report)
-    if getattr(cfg, "training", None) is None:
+    if cfg.training is None:
         return
     try:
         from training.trackers import log_run_summary

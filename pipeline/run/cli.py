@@ -9,12 +9,13 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.base.config import RunConfig
+    from pipeline.run.config import RunConfig
 
 
 def _load(args: argparse.Namespace, check_paths: bool = True) -> RunConfig | None:
     """The config named on the command line (``--output-dir`` applied), or None after printing why not."""
-    from pipeline.base.config import ConfigError, load_config
+    from pipeline.base.config import ConfigError
+    from pipeline.run.config import load_config
 
     try:
         cfg = load_config(args.config, check_paths=check_paths)

@@ -20,7 +20,6 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from pipeline.base.config import RunConfig
 from pipeline.base.console import (
     Console,
     GenerateSnapshot,
@@ -50,6 +49,7 @@ from pipeline.prompts.read import (
 from pipeline.report.costs import engine_prices
 from pipeline.report.publish import publish_report
 from pipeline.report.summary import Tally, Timings, audit_for, format_report, ledger_report, source_report, summarize
+from pipeline.run.config import RunConfig
 from pipeline.run.manifest import check_or_write_manifest
 
 log = logging.getLogger("pipeline")
@@ -455,12 +455,12 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
                             batch_format="pyarrow", **pools["render"])
         ds = map_routed(ds, cfg.sources, model_dir=model.path, profile=model.profile,
                         sampling=cfg.sampling, router=router, ledgers=ledgers, overrides=overrides,
-                        output_dir=str(layout.root), replays=replayed)
+                        layout=layout, replays=replayed)
         ds = ds.map_batches(ValidateSamples, fn_constructor_args=(model.profile, model.path, checks),
                             batch_format="pyarrow", **pools["validate"])
         lock = current_lock()  # the shard writer checks it still owns the folder before every shard
-        fence = {"lock_path": str(lock.path), "token": lock.token} if lock is not None else {}
-        ds = ds.map_batches(WriteShards, fn_constructor_args=(str(layout.root),), fn_constructor_kwargs=fence,
+        fence = {"token": lock.token} if lock is not None else {}  # the lock of layout.lock (RunLock.for_folder)
+        ds = ds.map_batches(WriteShards, fn_constructor_args=(layout,), fn_constructor_kwargs=fence,
                             batch_size=block_rows, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1),
                             num_cpus=0.25)
         rerouted = []

@@ -16,8 +16,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.base.config import RunConfig, UnreadableFile
+from pipeline.base.config import UnreadableFile
 from pipeline.base.layout import RunLayout, atomic_write_json
+from pipeline.run.config import RunConfig
 
 MANIFEST_FILE = RunLayout(".").manifest.name
 FULL_HASH_LIMIT = 256 * 2**20  # weight files up to this total size are hashed; larger ones by name and size

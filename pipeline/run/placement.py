@@ -15,7 +15,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+from pipeline.base.config import ExtractionConfig, engine_actor_resources
+
+if TYPE_CHECKING:
+    from pipeline.run.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,34 +41,19 @@ class Demand:
         return f"{self.stage} needs {need or 'nothing'} on one node"
 
 
-def engine_demand(stage: str, cfg: Any) -> Demand:
-    """One engine actor (a local source or the extraction engine): its GPUs, TP ones included, on one node."""
-    tp = int(getattr(cfg, "tensor_parallel_size", 1) or 1)
-    need: dict[str, float] = {"CPU": float(cfg.num_cpus)}
-    if cfg.num_gpus > 0:
-        need["GPU"] = max(float(cfg.num_gpus), float(tp))
-        if tp > 1:
-            need["CPU"] = max(need["CPU"], float(tp))  # the TP bundles take a CPU each
-    for k, v in (getattr(cfg, "resources", None) or {}).items():
-        need[k] = need.get(k, 0.0) + float(v)
-    return Demand(stage, need)
+def engine_demand(stage: str, cfg: ExtractionConfig) -> Demand:
+    """The extraction's engine actor: its GPUs, TP ones included, on one node."""
+    return Demand(stage, engine_actor_resources(cfg.num_cpus, cfg.num_gpus, cfg.tensor_parallel_size, cfg.resources))
 
 
-def source_demands(cfg: Any) -> list[Demand]:
-    """One demand per source's actor pool (what generation starts)."""
-    out = []
-    for src in cfg.sources:
-        if getattr(src, "kind", "") == "openrouter":
-            need = {"CPU": float(src.num_cpus), **{k: float(v) for k, v in src.resources.items()}}
-            out.append(Demand(f"source {src.name!r}", need))
-        else:
-            out.append(engine_demand(f"source {src.name!r}", src))
-    return out
+def source_demands(cfg: RunConfig) -> list[Demand]:
+    """One demand per source's actor pool (what generation starts): each schema says what one actor needs."""
+    return [Demand(f"source {src.name!r}", src.actor_resources()) for src in cfg.sources]
 
 
-def extraction_demands(cfg: Any) -> list[Demand]:
+def extraction_demands(cfg: RunConfig) -> list[Demand]:
     """The extraction actor, checked when extraction starts: its GPU nodes may join only after generation."""
-    return [engine_demand("extraction", cfg.extraction)] if getattr(cfg, "training", None) is not None else []
+    return [engine_demand("extraction", cfg.extraction)] if cfg.training is not None else []
 
 
 def fits(demand: Demand, node: Mapping[str, float]) -> bool:

@@ -18,11 +18,12 @@ from typing import Any
 
 import yaml
 
-from pipeline.base.config import ConfigError, RunConfig
+from pipeline.base.config import ConfigError
 from pipeline.base.layout import RunLayout, atomic_write_json
 from pipeline.base.records import read_rows, read_samples
 from pipeline.prompts.datasets import count_rows
 from pipeline.report.html import refresh_report_html
+from pipeline.run.config import RunConfig
 from pipeline.run.value import VALUE_FORMAT, ValueRefused, sample_costs
 from pipeline.value.curves import Curve
 from pipeline.value.plan import Buyable, make_plan, plan_lines

@@ -20,13 +20,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.base.config import RunConfig
 from pipeline.base.layout import RunLayout, last_json_line
 from pipeline.base.records import count_values, read_rows, read_sample_table
 from pipeline.prompts.datasets import count_rows
 from pipeline.prompts.id_index import indexed_rows
 from pipeline.report.costs import cost_lines, cost_table_of, engine_prices
 from pipeline.report.summary import heldout_breakdown_lines
+from pipeline.run.config import RunConfig
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
@@ -122,7 +122,7 @@ def training_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
         "step": last.get("step") or 0,
         "last": {k: v for k, v in last.items()
                  if k in ("loss", "acc_0", "tokens_per_s", "epoch") and isinstance(v, int | float)},
-        "exported": (layout.export / "config.json").exists(),
+        "exported": layout.export_config.exists(),
         "heldout": training.get("heldout") if isinstance(training, dict) else None,
     }
     if report_error:

@@ -17,13 +17,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.base.config import ConfigError, RunConfig
+from pipeline.base.config import ConfigError
 from pipeline.base.console import Console, duration
 from pipeline.base.layout import RunLayout, atomic_write_json
 from pipeline.base.records import read_samples
 from pipeline.base.run_lock import RunLock
 from pipeline.report.costs import COST_COLUMNS, engine_prices, sample_usd
 from pipeline.report.html import refresh_report_html
+from pipeline.run.config import RunConfig
 from pipeline.value.arms import (
     DEFAULT_FRACTIONS,
     Arm,
@@ -110,7 +111,7 @@ def _value(cfg: RunConfig, layout: RunLayout, opts: ValueOptions, console: Conso
 
     with placement_groups_released(), console.phase(extract_line):
         # its own extraction statistics: the run's report sums the ones in OUTPUT/extract_stats/
-        Handoff(cfg, layout, aux_ids, tcfg.heldout_fraction).write_shards(hidden, stats_dir=layout.value / "stats")
+        Handoff(cfg, layout, aux_ids, tcfg.heldout_fraction).write_shards(hidden, stats_dir=layout.value_stats)
     in_shards = completed_sample_ids(hidden)
     samples = [s for s in samples if s["sample_id"] in in_shards]  # an extraction's quarantine trains nothing
     datasets = {s["sample_id"]: s["dataset"] for s in samples}
@@ -151,7 +152,7 @@ def train_arms(cfg: RunConfig, layout: RunLayout, arms: Sequence[Arm], train_cfg
         kept = sum(int(v["samples"]) for v in spend.values())
         digest = data_digest((str(s["sample_id"]) for s in training
                               if arm.keeps(str(s["sample_id"]), str(s["dataset"]))), held, meta)
-        res = read_result(layout.value / arm.name, arm_settings(arm, train_cfg, digest))
+        res = read_result(layout.value_arm(arm.name), arm_settings(arm, train_cfg, digest))
         if res is not None:
             results[arm.name] = res | {"spend": spend, "train_samples": kept}
         elif not kept:
@@ -167,7 +168,7 @@ def train_arms(cfg: RunConfig, layout: RunLayout, arms: Sequence[Arm], train_cfg
         gpus = float(per_worker.pop("GPU", 1.0 if train_cfg["use_gpu"] else 0.0))
         task = ray.remote(train_arm).options(num_cpus=cpus, num_gpus=gpus, resources=per_worker or None)
         pending = {task.remote(arm, train_cfg=train_cfg, target_dir=cfg.model.path, hidden_dir=hidden,
-                               arm_dir=str(layout.value / arm.name), datasets=refs["datasets"],
+                               arm_dir=str(layout.value_arm(arm.name)), datasets=refs["datasets"],
                                labels=refs["labels"], heldout_fraction=train_cfg["heldout_fraction"],
                                heldout_max=train_cfg["heldout_max_samples"], data=digest): (arm, spend, kept)
                    for arm, spend, kept, digest in todo}

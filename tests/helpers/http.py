@@ -7,9 +7,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.base.config import OpenRouterSourceConfig, SamplingConfig
+from pipeline.base.config import SamplingConfig
 from pipeline.base.records import SAMPLE_COLUMNS, quarantine_row
 from pipeline.generate.ledger import Ledger
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig
 from pipeline.generate.sources.http.engine import NOT_GENERATED, OK, QUARANTINED
 from pipeline.generate.sources.http.openrouter import OpenRouterGenerator
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.base.config import DatasetConfig, load_config
+from pipeline.base.config import DatasetConfig
 from pipeline.base.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA
 from pipeline.profiles import load_profile
+from pipeline.run.config import load_config
 
 pytestmark = pytest.mark.slow
 

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from pipeline.base.layout import RunLayout
 from pipeline.hidden.shards import (
     INDEX,
     completed_sample_ids,
@@ -51,7 +52,7 @@ def test_extract_to_shards_resumes_and_feeds_ray_train(tmp_path, tiny_target, ra
     samples.mkdir()
     _samples_parquet(samples / "a.parquet", 0, 6, tiny_target)
     kw = dict(model_dir=str(tiny_target), aux_layer_ids=AUX, max_len=38, too_long="quarantine", batch_tokens=512,
-              quarantine_dir=str(quarantine), samples_per_shard=2, num_cpus=0.5,
+              layout=RunLayout(tmp_path), samples_per_shard=2, num_cpus=0.5,
               extractor_kwargs={"stats_dir": str(tmp_path / "stats")})
     first = extract_to_shards(samples, shards, **kw)
     too_long = {r["sample_id"] for r in pq.read_table(quarantine).to_pylist()}
@@ -79,7 +80,6 @@ def test_extract_to_shards_resumes_and_feeds_ray_train(tmp_path, tiny_target, ra
     assert sample.aux_hidden.shape[1] == 3 * H and sample.loss_mask.any()
     # stream mode counts the draft vocab from the samples (the stream is not read for it): same tokens, same
     # masks, same truncation and quarantine as the extraction stage
-    from pipeline.base.layout import RunLayout
     from pipeline.hidden.handoff import draft_vocab_from_samples
     from training.vocab import count_loss_masked_tokens
 
@@ -105,7 +105,9 @@ def test_extract_to_shards_resumes_and_feeds_ray_train(tmp_path, tiny_target, ra
 def test_shards_mode_run_trains_on_all_but_the_held_out_samples(tmp_path, repo_root, clean_target, ray_session):
     """The main job with ``extraction.mode: shards``: every passed sample is extracted to shards, the held-out
     ones are left out of training (the saved draft vocabulary is the one of the other rows) and measured after."""
-    from pipeline.base.config import ChecksConfig, DatasetConfig, RunConfig, TransformersSourceConfig
+    from pipeline.base.config import ChecksConfig, DatasetConfig
+    from pipeline.generate.sources.engines.config import TransformersSourceConfig
+    from pipeline.run.config import RunConfig
     from pipeline.run.job import run
     from training.heldout import is_held_out
     from training.train import VOCAB_FILE, load_vocab

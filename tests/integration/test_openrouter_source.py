@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.base.config import OpenRouterSourceConfig
+from pipeline.base.layout import RunLayout
 from pipeline.base.records import SAMPLE_COLUMNS
 from pipeline.demo.openrouter_server import RANDOM_FAULTS, CannedBackend, ServerConfig
 from pipeline.generate.ledger import Ledger, ledger_for
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig
 from pipeline.generate.sources.http.openrouter import OpenRouterGenerator
 from pipeline.profiles import load_profile
 from tests.helpers.http import local_ledger, map_openrouter, split_outcomes
@@ -373,14 +374,13 @@ def test_cut_bodies_under_a_tight_budget_never_overbill(profile):
 def test_journaled_responses_are_replayed_not_paid_again(profile, tmp_path):
     """Every paid answer is journaled as it arrives; a new attempt handed the journal rebuilds those samples
     without a request (same ids as the first time), and asks only for the rest."""
-    from pipeline.base.layout import RunLayout
     from pipeline.generate.sources.http.journal import load_responses
     from pipeline.generate.sources.http.totals import billed_by_dataset
 
     rows = prompt_rows(12)
     with serve_in_thread(ServerConfig(seed=2), CannedBackend(2, profile)) as (url, server):
         cfg = source_cfg(url, api_key_required=False)
-        first = run_local(OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg), output_dir=str(tmp_path)),
+        first = run_local(OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg), layout=RunLayout(tmp_path)),
                           rows)
         assert server.counts["requests"] == 12
         journaled = load_responses(RunLayout(tmp_path).responses, cfg.name)
@@ -434,15 +434,14 @@ def test_a_prompt_that_keeps_failing_is_quarantined_after_transient_runs_runs(pr
     that failed because the whole API was down journal nothing (an outage says nothing about them)."""
     import socket
 
-    from pipeline.base.config import RunConfig
-    from pipeline.base.layout import RunLayout
+    from pipeline.run.config import RunConfig
     from pipeline.run.job import worn_out
 
     rows = prompt_rows(8, markers={2: "always-502"})
     with serve_in_thread(ServerConfig(seed=6), CannedBackend(2, profile)) as (url, _server):
         cfg = source_cfg(url, api_key_required=False, max_attempts=2, transient_runs=2, budgets={"d": "unlimited"})
         for attempt in range(2):
-            gen = OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg), output_dir=str(tmp_path))
+            gen = OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg), layout=RunLayout(tmp_path))
             # the API answers other prompts in this run (new ones: those answered before were written, so
             # skipped), then d:2 fails on every attempt
             others = run_local(gen, prompt_rows(7, f"other{attempt}"))
@@ -460,7 +459,7 @@ def test_a_prompt_that_keeps_failing_is_quarantined_after_transient_runs_runs(pr
     down = source_cfg(f"http://127.0.0.1:{port}/api/v1", api_key_required=False, max_attempts=2, transient_runs=1,
                       budgets={"e": "unlimited"})
     for _ in range(2):
-        run_local(OpenRouterGenerator(down, "deepseek", None, local_ledger(down), output_dir=str(tmp_path / "x")),
+        run_local(OpenRouterGenerator(down, "deepseek", None, local_ledger(down), layout=RunLayout(tmp_path / "x")),
                   prompt_rows(4, "e"))
     down_cfg = run_cfg.model_copy(update={"sources": [down], "datasets": [run_cfg.datasets[0].model_copy(
         update={"name": "e"})]})

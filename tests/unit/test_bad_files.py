@@ -12,11 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.base.config import ConfigError, UnreadableFile, load_config
+from pipeline.base.config import ConfigError, UnreadableFile
 from pipeline.base.layout import RunLayout
 from pipeline.base.records import read_rows, read_samples
 from pipeline.generate.ledger import read_journal
 from pipeline.run.cli import main
+from pipeline.run.config import load_config
 from pipeline.run.manifest import check_or_write_manifest
 
 

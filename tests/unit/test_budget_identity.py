@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from pipeline.base.config import RunConfig
 from pipeline.base.layout import RunLayout
+from pipeline.run.config import RunConfig
 from pipeline.run.job import restored_spend
 
 

@@ -34,8 +34,8 @@ def test_cluster_yaml_validation_rejects_unknown_keys(repo_root: Path):
 
 
 def test_kimi_production_config_validates(repo_root: Path):
-    from pipeline.base.config import load_config
     from pipeline.generate.router import build_router
+    from pipeline.run.config import load_config
 
     cfg = load_config(repo_root / "configs" / "kimi_k25.yaml", check_paths=False)
     assert cfg.model.profile == "kimi-k2.5"

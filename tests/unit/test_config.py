@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.base.config import ConfigError, RunConfig, load_config
+from pipeline.base.config import ConfigError
+from pipeline.run.config import RunConfig, load_config
 from training.config import DraftTrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -364,7 +365,7 @@ def test_budget_values_and_helpers(workdir):
 
 
 def test_budget_identity_follows_model_endpoint_and_scope_not_name():
-    from pipeline.base.config import OpenRouterSourceConfig as Src
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig as Src
 
     base = Src(model="m").identity()
     assert len(base) == 16 and int(base, 16) >= 0
@@ -421,8 +422,7 @@ def test_unknown_profile_lists_the_registry(workdir):
 def test_the_source_union_is_the_registry():
     from typing import get_args
 
-    from pipeline.base.config import SourceConfig
-    from pipeline.generate.sources.registry import SOURCES
+    from pipeline.generate.sources.registry import SOURCES, SourceConfig
 
     union = get_args(get_args(SourceConfig)[0])
     assert set(union) == {k.config for k in SOURCES.values()}

@@ -10,7 +10,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from pipeline.base.console import (
     Console,
@@ -93,7 +92,7 @@ def test_header_lines():
 
 
 def test_the_header_says_what_trains_and_when_training_is_only_defaulted():
-    from pipeline.base.config import load_config
+    from pipeline.run.config import load_config
 
     lines = header_lines("c.yaml", [("chat", 20)], ["s"], "/o", 0, 20, None, "80 steps, 3 TTT steps")
     assert lines[3] == "  training  80 steps, 3 TTT steps"
@@ -105,12 +104,23 @@ def test_the_header_says_what_trains_and_when_training_is_only_defaulted():
     assert describe_training(None, True) == "off (training: null)"
 
 
-def test_describe_source_from_any_config():
-    vllm = SimpleNamespace(name="vllm-cpu", kind="vllm", num_actors=1, max_actors=None)
-    assert describe_source(vllm) == "vllm-cpu (vllm, 1 actor)"
-    api = SimpleNamespace(name="api", kind="openrouter", model="m/x", num_actors=2, max_actors=4,
-                          budgets={"chat": 20_000})
-    assert describe_source(api) == "api (openrouter, model m/x, 2-4 actors, budgets chat 20k)"
+def test_describe_source_from_each_kinds_schema():
+    """What follows the kind is the schema's own ``describe``: no field is probed on a source config."""
+    from pipeline.generate.sources.engines.config import SGLangSourceConfig, VLLMSourceConfig
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+
+    assert describe_source(VLLMSourceConfig(name="vllm-cpu")) == "vllm-cpu (vllm, 1 actor)"
+    assert describe_source(SGLangSourceConfig(num_actors=2, max_actors=2)) == "sglang (sglang, 2 actors)"
+    api = OpenRouterSourceConfig(name="api", model="m/x", num_actors=2, max_actors=4, budgets={"chat": 20_000},
+                                 budgets_usd={"chat": 1.5, "code": "unlimited"})
+    assert describe_source(api) == ("api (openrouter, model m/x, 2-4 actors, budgets chat 20k, "
+                                    "budgets_usd chat $1.50, code unlimited)")
+
+
+def api_source(name: str, **caps: object) -> object:
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+
+    return OpenRouterSourceConfig(name=name, model="m", **caps)
 
 
 def test_read_spend_from_ledger_journals(tmp_path: Path):
@@ -121,14 +131,14 @@ def test_read_spend_from_ledger_journals(tmp_path: Path):
     ledger = Ledger(budgets={"chat": 20_000, "code": 14_000}, journal=str(layout.ledger("api")))
     assert ledger.apply([("reserve", "chat", 1200)])[0] == ["granted"]  # the actors' batched entry point
     assert "#format" in json.loads(layout.ledger("api").read_text())  # what a run's ledger writes today
-    src = SimpleNamespace(name="api", budgets={"chat": 20_000, "code": 14_000}, default_budget=None)
-    fresh = SimpleNamespace(name="new", budgets={}, default_budget=500)
+    src = api_source("api", budgets={"chat": 20_000, "code": 14_000})
+    fresh = api_source("new", default_budget=500)
     assert read_spend(layout, [src, fresh]) == {"api": {"chat": (1200, 20_000), "code": (0, 14_000)}, "new": {}}
     layout.ledger("old").write_text(json.dumps({"chat": 700}))
-    assert read_spend(layout, [SimpleNamespace(name="old", budgets={}, default_budget=None)]) == {
+    assert read_spend(layout, [api_source("old", default_budget="unlimited")]) == {
         "old": {"chat": (700, None)}}
     layout.ledger("torn").write_text('{"#format": 2, "tok')
-    assert read_spend(layout, [SimpleNamespace(name="torn", budgets={"chat": 5}, default_budget=None)]) == {
+    assert read_spend(layout, [api_source("torn", budgets={"chat": 5})]) == {
         "torn": {"chat": (0, 5)}}
 
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from pipeline.base.config import SGLangSourceConfig, TransformersSourceConfig, VLLMSourceConfig
 from pipeline.generate.sources.engines.base import busy_shares
+from pipeline.generate.sources.engines.config import SGLangSourceConfig, TransformersSourceConfig, VLLMSourceConfig
 from pipeline.report.costs import cost_line, cost_table, cost_table_of, engine_prices, sample_usd
 
 
@@ -93,10 +93,10 @@ def test_a_shard_from_before_engine_time_reads_as_unknown_and_other_gaps_still_r
 
 
 def test_status_and_report_give_spend_per_dataset_priced_by_the_source(repo_root, tmp_path):
-    from pipeline.base.config import load_config
     from pipeline.base.layout import RunLayout
     from pipeline.base.records import SAMPLE_SCHEMA, empty_sample
     from pipeline.report.summary import cost_lines
+    from pipeline.run.config import load_config
     from pipeline.run.status import collect_status, format_status
 
     cfg = load_config(repo_root / "configs" / "tiny_formats.yaml", base_dir=repo_root, check_paths=False)

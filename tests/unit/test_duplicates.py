@@ -27,8 +27,8 @@ def test_a_restarted_writer_skips_what_its_predecessor_wrote(tmp_path):
     """The writer actor died after writing its shard (its summary never reached the driver): Ray re-runs the
     batch on a new actor, which must not write the samples again."""
     layout = RunLayout(tmp_path)
-    WriteShards(str(tmp_path))(_batch(_flight("a"), _flight("b"), _flight("q", "quarantine")))
-    again = WriteShards(str(tmp_path))(_batch(_flight("a"), _flight("b"), _flight("q", "quarantine"), _flight("c")))
+    WriteShards(layout)(_batch(_flight("a"), _flight("b"), _flight("q", "quarantine")))
+    again = WriteShards(layout)(_batch(_flight("a"), _flight("b"), _flight("q", "quarantine"), _flight("c")))
     assert again["status"].to_pylist() == ["duplicate", "duplicate", "duplicate", "ok"]
     assert _ids(layout.samples) == ["a", "b", "c"] and _ids(layout.quarantine) == ["q"]
 

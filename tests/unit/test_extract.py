@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from pipeline.base.layout import RunLayout
 from pipeline.hidden.extract import (
     HIDDEN_CONVENTION,
     Captured,
@@ -323,7 +324,7 @@ def test_a_captured_shape_error_is_quarantined():
 def test_extractor_actor_rows_quarantine_and_stats(tiny_target, tmp_path):
     rows = _sample_rows([30, 12, 70, 9])
     batch = pa.Table.from_pylist(rows)
-    actor = HiddenStateExtractor(str(tiny_target), AUX, 64, "quarantine", 128, str(tmp_path / "quarantine"),
+    actor = HiddenStateExtractor(str(tiny_target), AUX, 64, "quarantine", 128, RunLayout(tmp_path),
                                  stats_dir=str(tmp_path / "stats"))
     table = actor(batch)
     assert table.column("sample_id").to_pylist() == ["s0", "s1", "s3"]  # longest first within a call

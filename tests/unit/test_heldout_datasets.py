@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.base.config import load_config
 from pipeline.base.console import heldout_line
 from pipeline.base.layout import RunLayout
 from pipeline.report.html import render_report_html
 from pipeline.report.summary import format_report, heldout_breakdown_lines
+from pipeline.run.config import load_config
 from pipeline.run.status import collect_status, format_status
 from tests.unit.test_report_html import NS, SVG
 from tests.unit.test_training import fake_rows, small_drafter

@@ -11,9 +11,10 @@ from collections import Counter
 
 import pytest
 
-from pipeline.base.config import OpenRouterSourceConfig
+from pipeline.base.layout import RunLayout
 from pipeline.demo.openrouter_server import CannedBackend, ServerConfig
 from pipeline.generate.ledger import Ledger
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig
 from pipeline.generate.sources.http.engine import key_may_go_to
 from pipeline.generate.sources.http.journal import JournalError
 from pipeline.generate.sources.http.openrouter import OpenRouterGenerator
@@ -150,7 +151,7 @@ def test_a_journal_that_cannot_be_written_stops_the_source(profile, tmp_path, mo
     rows = rows_(10)
     with serve_in_thread(ServerConfig(seed=7), CannedBackend(1, profile)) as (url, server):
         ledger = Ledger()
-        gen = OpenRouterGenerator(cfg_(url, max_in_flight=1), "deepseek", None, ledger, output_dir=str(tmp_path))
+        gen = OpenRouterGenerator(cfg_(url, max_in_flight=1), "deepseek", None, ledger, layout=RunLayout(tmp_path))
 
         def full(record):
             raise JournalError("journal x: [Errno 28] No space left on device")
@@ -191,10 +192,10 @@ def test_a_new_actor_replays_what_another_actor_of_the_folder_was_billed_for(pro
     rows = rows_(12)
     with serve_in_thread(ServerConfig(seed=9), CannedBackend(1, profile)) as (url, server):
         cfg = cfg_(url)
-        b_alive = OpenRouterGenerator(cfg, "deepseek", None, Ledger(), output_dir=str(tmp_path))
-        first = run(OpenRouterGenerator(cfg, "deepseek", None, Ledger(), output_dir=str(tmp_path)), rows[:8])
+        b_alive = OpenRouterGenerator(cfg, "deepseek", None, Ledger(), layout=RunLayout(tmp_path))
+        first = run(OpenRouterGenerator(cfg, "deepseek", None, Ledger(), layout=RunLayout(tmp_path)), rows[:8])
         assert server.counts["requests"] == 8
-        again = run(OpenRouterGenerator(cfg, "deepseek", None, Ledger(), output_dir=str(tmp_path)), rows)
+        again = run(OpenRouterGenerator(cfg, "deepseek", None, Ledger(), layout=RunLayout(tmp_path)), rows)
         assert server.counts["requests"] == 12  # only the 4 never asked
         alive = run(b_alive, rows[:8])
         assert server.counts["requests"] == 12

@@ -3,7 +3,11 @@ by source name or by identity."""
 
 from __future__ import annotations
 
-from pipeline.generate.sources.http.journal import Record
+import pytest
+
+from pipeline.generate.sources.http import replay as http_replay
+from pipeline.generate.sources.http import totals as http_totals
+from pipeline.generate.sources.http.journal import Record, ResponseJournal
 from pipeline.generate.sources.http.replay import ReplayIndex
 
 
@@ -42,3 +46,40 @@ def test_a_renamed_source_replays_by_identity(tmp_path):
                                                 + rec(2, source="other", identity="id2").to_json())
     idx = ReplayIndex(tmp_path, "new-name", identity="id1")
     assert idx.get("s1") is not None and idx.get("s2") is None
+
+
+def test_a_resumed_actor_indexes_from_the_writers_projections_and_parses_only_what_came_after(
+        tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A resume's source actors index every response their predecessors journaled: from the projections the
+    writers stored (no line parsed), with each line's byte span right (``get`` reads the record there), the
+    same index as a parse of every line; lines appended later are the only ones parsed."""
+    run, bare = tmp_path / "run", tmp_path / "bare"
+    written = {}
+    for name, ids in (("api-a.jsonl", range(0, 40)), ("api-b.jsonl", range(30, 60))):  # 30-39 answered twice
+        with ResponseJournal(run / name) as j:
+            for i in ids:
+                r = rec(i, identity="id1")
+                j.append(r)
+                written[r.sample_id] = r  # the later file's record is the later one
+            j.append(rec(100 + i, kind="gave_up"))
+            j.store_projection()
+        bare.mkdir(exist_ok=True)
+        (bare / name).write_bytes((run / name).read_bytes())  # the same files with no projection beside them
+    parses = []
+    for module in (http_totals, http_replay):
+        real = module.record_fields
+        monkeypatch.setattr(module, "record_fields", lambda line, real=real: parses.append(1) or real(line))
+    idx = ReplayIndex(run, "api")
+    assert parses == [] and len(idx) == 60
+    full = ReplayIndex(bare, "api")
+    assert len(parses) == 72  # every line of the bare files, parsed once
+    assert {k: (v.path.name, v.start, v.end, v.at) for k, v in idx._where.items()} == \
+        {k: (v.path.name, v.start, v.end, v.at) for k, v in full._where.items()}
+    assert all(idx.get(sid) == r for sid, r in written.items())
+    assert idx._where["s35"].path.name == "api-b.jsonl"
+    parses.clear()
+    with ResponseJournal(run / "api-a.jsonl") as j:  # a reopened file: only its new line is parsed
+        j.append(rec(70, identity="id1"))
+    assert idx.refresh() == 1 and len(parses) == 1 and idx.get("s70").content == rec(70).content
+    renamed = ReplayIndex(run, "renamed", identity="id1")  # by the projection's identity column
+    assert len(renamed) == 61 and renamed.get("s100") is None and renamed.get("s59") == written["s59"]

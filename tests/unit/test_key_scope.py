@@ -8,7 +8,12 @@ import pickle
 import pytest
 from pydantic import ValidationError
 
-from pipeline.base.config import OpenRouterSourceConfig, base_url_problem, is_loopback_host, normalised_base_url
+from pipeline.generate.sources.http.config import (
+    OpenRouterSourceConfig,
+    base_url_problem,
+    is_loopback_host,
+    normalised_base_url,
+)
 
 
 def src(**kw) -> OpenRouterSourceConfig:

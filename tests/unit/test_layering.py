@@ -102,8 +102,10 @@ def test_no_branching_on_source_kind_outside_the_registry():
         return any(isinstance(c, ast.Constant) and c.value in SOURCES for c in ast.walk(node))
 
     def is_kind(node: ast.AST) -> bool:
-        return (isinstance(node, ast.Attribute) and node.attr == "kind") or (isinstance(node, ast.Name)
-                                                                             and node.id == "kind")
+        probe = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "kind")
+        return probe or (isinstance(node, ast.Attribute) and node.attr == "kind") or (isinstance(node, ast.Name)
+                                                                                      and node.id == "kind")
 
     offenders = []
     for name, path in project_modules().items():
@@ -112,6 +114,47 @@ def test_no_branching_on_source_kind_outside_the_registry():
         for node in ast.walk(ast.parse(path.read_text())):
             operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
             if any(map(is_kind, operands)) and any(map(names_a_kind, operands)):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert offenders == []
+
+
+def test_each_source_kind_is_self_contained_and_the_config_union_comes_from_the_registry():
+    """A kind's schema sits beside its adapter (the same package) and every schema of the ``sources:`` union is
+    a registry entry's, so a new kind is one module and one line in ``KIND_MODULES``."""
+    import typing
+
+    from pipeline.base.config import SourceConfigBase
+    from pipeline.generate.sources.registry import SOURCES, SourceConfig
+    from pipeline.run.config import RunConfig
+
+    union = typing.get_args(typing.get_args(SourceConfig)[0])
+    assert set(union) == {k.config for k in SOURCES.values()} and len(union) == len(SOURCES)
+    assert typing.get_args(RunConfig.model_fields["sources"].annotation)[0] is SourceConfig
+    for name, kind in SOURCES.items():
+        assert issubclass(kind.config, SourceConfigBase)
+        assert kind.config.model_fields["kind"].default == name
+        schema_pkg = kind.config.__module__.rsplit(".", 1)[0]
+        assert kind.actor.split(":")[0].rsplit(".", 1)[0] == schema_pkg, f"{name}: schema away from its adapter"
+
+
+def test_no_field_of_one_kinds_schema_is_probed_outside_it():
+    """``getattr(src, "budgets", None)`` asks a source what only one kind has: the answer belongs in a method of
+    ``SourceConfigBase`` that each kind overrides (``describe``, ``actor_resources``, ``tools_sent``, ...)."""
+    from pipeline.base.config import SourceConfigBase
+    from pipeline.generate.sources.registry import SOURCES
+
+    own = {f for k in SOURCES.values() for f in k.config.model_fields} - set(SourceConfigBase.model_fields)
+    schemas = {k.config.__module__ for k in SOURCES.values()}
+    offenders = []
+    for name, path in project_modules().items():
+        if name in schemas:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr",
+                                                                                                  "hasattr")
+                    and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
+                    and node.args[0].id in ("src", "s", "source", "cfg")
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in own):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert offenders == []
 

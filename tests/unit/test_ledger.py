@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.base.config import HealthConfig
 from pipeline.generate.ledger import (
     BudgetExceeded,
     BudgetLedger,
     Ledger,
     ProviderHealth,
 )
+from pipeline.generate.sources.http.config import HealthConfig
 from tests.helpers.ledger import spent_from_samples
 
 

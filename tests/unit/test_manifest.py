@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.base.config import OpenRouterSourceConfig, load_config
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+from pipeline.run.config import load_config
 from pipeline.run.manifest import (
     MANIFEST_FILE,
     ManifestMismatch,

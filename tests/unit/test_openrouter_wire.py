@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.base.config import OpenRouterSourceConfig, ProviderPreferences, SamplingConfig
+from pipeline.base.config import SamplingConfig
 from pipeline.checks.reconstruct import rebuild_ids
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig, ProviderPreferences
 from pipeline.generate.sources.http.engine import Secret, request_options
 from pipeline.generate.sources.http.wire import (
     FATAL_STATUS,

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.base.config import DatasetConfig, UnreadableFile, load_config
+from pipeline.base.config import DatasetConfig, UnreadableFile
 from pipeline.base.layout import RunLayout
 from pipeline.base.records import QUARANTINE_SCHEMA, quarantine_row, read_rows
 from pipeline.prompts.datasets import (
@@ -41,6 +41,7 @@ from pipeline.prompts.read import (
     row_blocks,
     todo_rows,
 )
+from pipeline.run.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MALFORMED = ROOT / "tests" / "data" / "malformed_messages.jsonl"
@@ -212,10 +213,10 @@ def test_index_dataset_writes_what_read_prompts_wrote(tmp_path):
     worn = {good[1]["sample_id"]: {"stage": "generate", "source": "api", "reason": "api: transient failures in 2 "
                                                                                    "runs (last: 503)"},
             good[0]["sample_id"]: {"stage": "generate", "source": "api", "reason": "finished first"}}
-    out = tmp_path / "q"
+    out = RunLayout(tmp_path / "o").quarantine
     counts: Counter = Counter()
     for d in datasets:
-        counts.update(index_dataset(d, str(out), done, worn))
+        counts.update(index_dataset(d, RunLayout(tmp_path / "o"), done, worn, keep_index=False))
     written = [r for f in sorted(out.glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert _by_id(written) == _by_id(_old_quarantine(datasets, done, worn))
     assert all(pq.read_schema(f) == QUARANTINE_SCHEMA for f in out.glob("*.parquet"))
@@ -229,7 +230,7 @@ def _index_all(datasets: list[DatasetConfig], tmp_path: Path, done: set[str], wo
     counts: Counter = Counter()
     layout = RunLayout(tmp_path / "out")
     for d in datasets:
-        counts.update(index_dataset(d, str(layout.quarantine), done, worn, str(layout.prompt_index(d.name))))
+        counts.update(index_dataset(d, layout, done, worn))
     return counts
 
 
@@ -300,6 +301,39 @@ def test_a_worn_or_malformed_row_left_to_do_is_read_from_the_file(tmp_path):
     written = {r["sample_id"]: r["stage"] for r in read_rows(layout.quarantine, ["sample_id", "stage"])}
     assert written == {q["sample_id"]: q["stage"] for q in _old_quarantine(datasets, set(), worn)}
     assert counts[TO_DO] == sum(len(load_dataset(d)[0]) for d in datasets) - 1
+
+
+def test_a_resumed_read_parses_only_the_rows_the_id_index_says_are_left(tmp_path, monkeypatch):
+    """Every format (JSONL with blank, broken and non-UTF-8 lines, .json, Parquet in row groups, max_rows): with
+    the index, the read yields exactly what it yields without one, and parses only the rows left to do; a
+    re-route pass's ``only`` stops at its last row; an index that no longer holds is not used."""
+    import pipeline.prompts.datasets as datasets_mod
+
+    datasets = _datasets(tmp_path)
+    _index_all(datasets, tmp_path, set(), {})
+    layout = RunLayout(tmp_path / "out")
+    parsed = []
+    real = datasets_mod.parse_row
+    monkeypatch.setattr(datasets_mod, "parse_row", lambda raw, *a: parsed.append(1) or real(raw, *a))
+    for d in datasets:
+        good = load_dataset(d)[0]
+        skip = {r["sample_id"] for r in good[::3]} | {r["sample_id"] for r in good[1::3]}  # two thirds done
+        only = {r["sample_id"] for r in good[2:5]}
+        parsed.clear()
+        plain = list(todo_rows(d, skip))
+        full = len(parsed)
+        parsed.clear()
+        assert list(todo_rows(d, skip, index=layout.prompt_index(d.name))) == plain
+        assert len(parsed) == len(plain) and (not good or len(parsed) < full), d.name
+        assert list(todo_rows(d, skip, only, layout.prompt_index(d.name))) == list(todo_rows(d, skip, only))
+    d = datasets[0]
+    with open(d.path, "ab") as f:  # the file changed: the index is not used, every row is parsed again
+        f.write(json.dumps(_user("late")).encode() + b"\n")
+    good = load_dataset(d)[0]
+    parsed.clear()
+    assert [r["sample_id"] for r in todo_rows(d, set(), index=layout.prompt_index(d.name))] == \
+        [r["sample_id"] for r in good]
+    assert len(parsed) == len(good)  # every row of the file (its two broken lines never reach parse_row)
 
 
 # ------------------------------------------------------------------ in Ray (the session's cluster)

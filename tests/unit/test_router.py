@@ -21,7 +21,11 @@ def spilled_from(row: dict) -> str | None:
 
 
 def src(name: str, kind: str = "vllm", **kw):
-    return SimpleNamespace(name=name, kind=kind, **kw)
+    """A real source schema of that kind (an API source needs a model)."""
+    from pipeline.generate.sources.registry import SOURCES as KINDS
+
+    needs = {"model": "m/x"} if "model" in KINDS[kind].config.model_fields and "model" not in kw else {}
+    return KINDS[kind].config(name=name, **needs, **kw)
 
 
 def ds(name: str, sources=None):

@@ -432,14 +432,14 @@ def _ids(folder: Path) -> list[str]:
 
 
 def test_write_shards_keeps_its_positional_form(tmp_path: Path) -> None:
-    out = WriteShards(str(tmp_path))(_batch(_flight("a"), _flight("b", "quarantine")))
+    out = WriteShards(RunLayout(tmp_path))(_batch(_flight("a"), _flight("b", "quarantine")))
     assert out["status"].to_pylist() == ["ok", "quarantine"]
     assert _ids(RunLayout(tmp_path).samples) == ["a"] and _ids(RunLayout(tmp_path).quarantine) == ["b"]
 
 
 def test_write_shards_never_writes_a_sample_twice(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
-    writer = WriteShards(str(tmp_path), done_ids=iter(["done"]))
+    writer = WriteShards(RunLayout(tmp_path), done_ids=iter(["done"]))
     out = writer(_batch(_flight("done"), _flight("b"), _flight("c", "quarantine"), _flight("b"),
                         _flight("r", "reroute")))
     assert out["status"].to_pylist() == ["duplicate", "ok", "quarantine", "duplicate", "reroute"]
@@ -456,7 +456,7 @@ def test_write_shards_refuses_after_a_takeover(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
     lock = RunLock.for_folder(tmp_path, heartbeat_s=30, settle_s=0).acquire()
     try:
-        writer = WriteShards(str(tmp_path), lock_path=str(lock.path), token=lock.token, done_ids=[])
+        writer = WriteShards(RunLayout(tmp_path), token=lock.token, done_ids=[])
         writer(_batch(_flight("a")))
         assert _ids(layout.samples) == ["a"]
         _write_lock(lock.path, host="other-host.example", pid=4242, heartbeat_at=time.time())
@@ -464,8 +464,6 @@ def test_write_shards_refuses_after_a_takeover(tmp_path: Path) -> None:
             writer(_batch(_flight("b"), _flight("c", "quarantine")))
         assert _ids(layout.samples) == ["a"] and _ids(layout.quarantine) == []
         assert sorted(p.name for p in layout.samples.iterdir()) == [shard_name(["a"])]  # no temp file either
-        with pytest.raises(ValueError, match="both"):
-            WriteShards(str(tmp_path), lock_path=str(lock.path))
     finally:
         lock.release()
 

@@ -8,8 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.base.config import OpenRouterSourceConfig, TransformersSourceConfig, VLLMSourceConfig
 from pipeline.base.console import served_line
+from pipeline.generate.sources.engines.config import TransformersSourceConfig, VLLMSourceConfig
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig
 from pipeline.generate.sources.registry import drafter_server
 from pipeline.hidden.served_eval import heldout_prompts
 from training.served import agreement, tolerance

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.base.config import ConfigError, ExtractionConfig, load_config
+from pipeline.base.config import ConfigError, ExtractionConfig
 from pipeline.base.sizing import checkpoint_bytes
+from pipeline.run.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG = 600 * 10**9  # bytes: a ~1T-parameter MoE in INT4
@@ -185,8 +186,8 @@ def test_extraction_resources_without_tensor_parallelism_keep_the_actors_own():
 
 
 def test_engine_sources_carry_custom_resources():
-    from pipeline.base.config import SGLangSourceConfig, VLLMSourceConfig
     from pipeline.generate.sources.chain import engine_resources, placement_strategy
+    from pipeline.generate.sources.engines.config import SGLangSourceConfig, VLLMSourceConfig
 
     sglang = SGLangSourceConfig(num_gpus=8, tensor_parallel_size=8, resources={"h200": 8})
     assert engine_resources(sglang, ray_tp=False) == {"num_cpus": 1.0, "num_gpus": 8.0, "resources": {"h200": 8.0}}

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from pipeline.base.config import ChecksConfig, SamplingConfig, SGLangSourceConfig
+from pipeline.base.config import ChecksConfig, SamplingConfig
 from pipeline.base.records import empty_sample
 from pipeline.checks.validate import check_structure
 from pipeline.generate.sources.engines.base import fill_from_engine, request_seed
+from pipeline.generate.sources.engines.config import SGLangSourceConfig
 from pipeline.generate.sources.engines.sglang_source import (
     SGLangGenerator,
     engine_kwargs,

@@ -31,6 +31,7 @@ def test_the_writer_hands_the_driver_only_the_tally_columns(tmp_path):
     (token count, billing, checks) are exact."""
     from pipeline.base.config import DatasetConfig
     from pipeline.base.flight import TALLY_SCHEMA
+    from pipeline.base.layout import RunLayout
     from pipeline.generate.stages import WriteShards
     from pipeline.report.summary import Tally, audit_for
     from tests.unit.test_run_lock import _batch, _flight
@@ -38,7 +39,7 @@ def test_the_writer_hands_the_driver_only_the_tally_columns(tmp_path):
     ok, bad, left = _flight("a"), _flight("q", "quarantine"), _flight("n", "not_generated")
     ok.update(output_ids=[5, 6, 7], billed_completion_tokens=3, cost=0.25, source="api", checks_ran=["billing"])
     left["output_ids"] = None
-    out = WriteShards(str(tmp_path))(_batch(ok, bad, left))
+    out = WriteShards(RunLayout(tmp_path))(_batch(ok, bad, left))
     assert out.schema == TALLY_SCHEMA and "output_ids" not in out.schema.names and "content" not in out.schema.names
     rows = {r["sample_id"]: r for r in out.to_pylist()}
     assert rows["a"]["output_tokens"] == 3 and rows["n"]["output_tokens"] is None

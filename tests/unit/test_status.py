@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.base.config import load_config
 from pipeline.base.layout import RunLayout
+from pipeline.run.config import load_config
 from pipeline.run.status import collect_status, format_status
 
 

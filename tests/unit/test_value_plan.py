@@ -89,8 +89,8 @@ def test_the_fragment_raises_a_token_cap_with_the_dollar_cap(tmp_path):
     one request's reservation more, so the planned rows, not the cap, end the run."""
     import json
 
-    from pipeline.base.config import RunConfig
     from pipeline.base.layout import RunLayout
+    from pipeline.run.config import RunConfig
     from pipeline.run.plan import CAP_HEADROOM, fragment
 
     prompts = tmp_path / "p.jsonl"

@@ -32,10 +32,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.base.config import EngineSourceConfig, ExtractionConfig, SamplingConfig
+from pipeline.base.config import ExtractionConfig, SamplingConfig
 from pipeline.base.flight import as_flight, marked, with_column
+from pipeline.base.layout import RunLayout
 from pipeline.generate.router import Router, has_tools
-from pipeline.generate.sources.registry import SOURCES, source_kind
+from pipeline.generate.sources.engines.config import EngineSourceConfig
+from pipeline.generate.sources.registry import engine_actor_names, source_kind
 
 # Actors of each routing stage (assign_sources, close_unserved). As Ray tasks of no CPU, Ray Data ran one per
 # queued block and Ray started a worker process for each, then killed it when it idled past the worker pool's
@@ -97,7 +99,7 @@ def wait_for_retired_engines(also: Iterable[str] = (), timeout_s: float = 30.0, 
 
     # The registry's engine actor classes (Ray Data names an actor ``MapWorker(MapBatches(<class>))``), and
     # ``also``: the extraction's, which a floor below hidden/ does not know.
-    engines = {k.actor.rsplit(":", 1)[1] for k in SOURCES.values() if k.layout != "async_http"} | set(also)
+    engines = engine_actor_names() | set(also)
     job = ray.get_runtime_context().get_job_id()
     deadline = time.monotonic() + timeout_s
     while True:
@@ -210,7 +212,7 @@ def reroute_overrides(rows: Iterable[Mapping[str, Any]]) -> dict[str, str]:
 
 
 def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: SamplingConfig, router: Router,
-               ledger: Any | None = None, output_dir: str | None = None,
+               ledger: Any | None = None, layout: RunLayout | None = None,
                replay: Mapping[str, str] | None = None) -> Any:
     """Append one source stage (the registry's actor class for its kind) to the chain.
 
@@ -225,7 +227,7 @@ def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Sam
     batch = chain_batch_size(src.batch_size, router.weights.get(src.name, 0.0) / total)
     min_actors = src.num_actors
     max_actors = max(src.max_actors or 0, min_actors)
-    kwargs = {"ledger": ledger, "output_dir": output_dir, "replay": dict(replay) if replay else None} \
+    kwargs = {"ledger": ledger, "layout": layout, "replay": dict(replay) if replay else None} \
         if kind.spends else {}
     if kind.layout == "async_http":
         compute = ray.data.ActorPoolStrategy(min_size=min_actors, max_size=max_actors,
@@ -244,7 +246,7 @@ def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Sam
 
 def map_routed(ds: Any, sources: Sequence[Any], *, model_dir: str, profile: str, sampling: SamplingConfig,
                router: Router, ledgers: Mapping[str, Any] | None = None,
-               overrides: Mapping[str, str] | None = None, output_dir: str | None = None,
+               overrides: Mapping[str, str] | None = None, layout: RunLayout | None = None,
                replays: Mapping[str, Mapping[str, str]] | None = None) -> Any:
     """Rendered rows in, generated rows out: assign each row its source, then every source stage.
 
@@ -268,5 +270,5 @@ def map_routed(ds: Any, sources: Sequence[Any], *, model_dir: str, profile: str,
                 ledgers[src.name] = ledger_for(src)
             ledger = ledgers[src.name]
         ds = map_source(ds, src, model_dir=model_dir, profile=profile, sampling=sampling, router=router,
-                        ledger=ledger, output_dir=output_dir, replay=(replays or {}).get(src.name))
+                        ledger=ledger, layout=layout, replay=(replays or {}).get(src.name))
     return ds.map_batches(CloseUnserved, **routing)

@@ -1,14 +1,15 @@
 """The source registry: every source kind, in one table.
 
-A kind is a config schema (in pipeline.base.config), a Ray Data callable class that
-serves in-flight rows (imported only where it runs, so a CPU machine never
-imports SGLang), and the facts the rest of the pipeline asks about it:
+A kind is a config schema (a ``SourceConfigBase`` declared beside its adapter, with the kind's
+``SourceKind`` entry: ``engines/config.py``, ``http/config.py``), a Ray Data callable class that serves
+in-flight rows (imported only where it runs, so a CPU machine never imports SGLang), and the facts the
+rest of the pipeline asks about it:
 
 - ``exact_ids``: the engine returns the target's own token ids; otherwise the ids
   are rebuilt from text (routing keeps tool prompts off such sources when asked).
 - ``spends``: it bills per token, so it gets a budget ledger and a line in
   ``status``'s spend table; its actor class takes the keywords ``ledger`` (the
-  shared ledger actor), ``output_dir`` (for its response journal) and ``replay``
+  shared ledger actor), ``layout`` (the run folder's ``RunLayout``, for its response journal) and ``replay``
   (responses an earlier attempt paid for).
 - ``manifest``: the config fields that decide what its samples hold (its own model,
   provider preferences, reasoning, sampling, tools); recorded in the run manifest
@@ -20,54 +21,31 @@ imports SGLang), and the facts the rest of the pipeline asks about it:
   ``engine_forks`` (the actor holds all TP GPUs; the engine forks its own workers),
   ``async_http`` (a fraction of a CPU, many batches in flight per actor).
 
-Nothing outside this module branches on a source's kind.
+A new kind adds its schema module to ``KIND_MODULES``; the run config's ``sources:`` union (``SourceConfig``) is
+built from the table. Nothing outside this module branches on a source's kind: what differs per kind is a
+fact here or a method of its schema (``describe``, ``actor_resources``, ``run_problem``, ...).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from importlib import import_module
-from typing import Any, Literal
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel
+from pydantic import Field
 
-from pipeline.base.config import (
-    OpenRouterSourceConfig,
-    SGLangSourceConfig,
-    TransformersSourceConfig,
-    VLLMSourceConfig,
-)
+from pipeline.generate.sources.engines import config as engines
+from pipeline.generate.sources.http import config as http
+from pipeline.generate.sources.kind import Layout, SourceKind
 
-Layout = Literal["engine", "engine_forks", "async_http"]
+__all__ = ["KIND_MODULES", "SOURCES", "Layout", "SourceConfig", "SourceKind", "drafter_server", "engine_actor_names",
+           "source_kind", "spending_sources"]
 
+# Each module declares ``KINDS``: its schemas' registry entries.
+KIND_MODULES = (engines, http)
 
-@dataclass(frozen=True)
-class SourceKind:
-    config: type[BaseModel]
-    actor: str  # "module:Class"
-    exact_ids: bool
-    spends: bool
-    layout: Layout
-    manifest: tuple[str, ...] = ()
-    serves_drafter: bool = False
+SOURCES: dict[str, SourceKind] = {k.name: k for m in KIND_MODULES for k in m.KINDS}
 
-    def actor_class(self) -> type:
-        module, name = self.actor.split(":")
-        return getattr(import_module(module), name)
-
-
-SOURCES: dict[str, SourceKind] = {
-    "vllm": SourceKind(VLLMSourceConfig, "pipeline.generate.sources.engines.vllm_source:VLLMGenerator",
-                       exact_ids=True, spends=False, layout="engine", serves_drafter=True),
-    "sglang": SourceKind(SGLangSourceConfig, "pipeline.generate.sources.engines.sglang_source:SGLangGenerator",
-                         exact_ids=True, spends=False, layout="engine_forks"),
-    "transformers": SourceKind(TransformersSourceConfig,
-                               "pipeline.generate.sources.engines.transformers_source:TransformersGenerator",
-                               exact_ids=True, spends=False, layout="engine"),
-    "openrouter": SourceKind(OpenRouterSourceConfig, "pipeline.generate.sources.http.openrouter:OpenRouterFlight",
-                             exact_ids=False, spends=True, layout="async_http",
-                             manifest=("model", "provider", "reasoning_style", "reasoning", "send_tools", "sampling")),
-}
+# The config's ``sources:`` items: one schema per kind, told apart by ``kind:``.
+SourceConfig = Annotated[Union[tuple(k.config for k in SOURCES.values())], Field(discriminator="kind")]  # noqa: UP007
 
 
 def source_kind(cfg: Any) -> SourceKind:
@@ -86,3 +64,8 @@ def drafter_server(sources: list[Any]) -> Any | None:
 def spending_sources(sources: list[Any]) -> list[Any]:
     """The sources that bill per token (each gets a budget ledger)."""
     return [s for s in sources if source_kind(s).spends]
+
+
+def engine_actor_names() -> set[str]:
+    """The class names of the kinds' actors that hold an engine (see ``SourceKind.holds_engine``)."""
+    return {k.actor_class_name for k in SOURCES.values() if k.holds_engine}

@@ -33,8 +33,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.base.config import EngineSourceConfig, SamplingConfig
+from pipeline.base.config import SamplingConfig
 from pipeline.base.flight import NextSource, batch_to_rows, fail_row, rows_to_table, served, serves
+from pipeline.generate.sources.engines.config import EngineSourceConfig
 from pipeline.generate.sources.http.wire import redact
 from pipeline.profiles import load_profile
 

@@ -21,8 +21,9 @@ import importlib.util
 import time
 from typing import Any
 
-from pipeline.base.config import SamplingConfig, SGLangSourceConfig
+from pipeline.base.config import SamplingConfig
 from pipeline.generate.sources.engines.base import EngineResult, EngineSource, request_seed
+from pipeline.generate.sources.engines.config import SGLangSourceConfig
 
 
 def sglang_available() -> bool:

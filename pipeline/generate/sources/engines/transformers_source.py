@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pipeline.base.config import SamplingConfig, TransformersSourceConfig
+from pipeline.base.config import SamplingConfig
 from pipeline.generate.sources.engines.base import EngineResult, EngineSource, request_seed
+from pipeline.generate.sources.engines.config import TransformersSourceConfig
 
 
 def stop_ids(profile: Any, generation_config: Any | None) -> list[int]:

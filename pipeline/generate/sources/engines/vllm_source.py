@@ -13,9 +13,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.base.config import SamplingConfig, VLLMSourceConfig
+from pipeline.base.config import SamplingConfig
 from pipeline.base.flight import NextSource
 from pipeline.generate.sources.engines.base import EngineResult, EngineSource, request_seed
+from pipeline.generate.sources.engines.config import VLLMSourceConfig
 
 
 class VLLMGenerator(EngineSource):

@@ -49,11 +49,12 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from pipeline.base.config import OpenRouterSourceConfig, SamplingConfig, is_loopback_host
+from pipeline.base.config import SamplingConfig
 from pipeline.base.records import empty_sample
 from pipeline.checks.reconstruct import rebuild_ids
 from pipeline.generate.ledger import Outcome
 from pipeline.generate.sources.http.circuit import Circuit
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig, is_loopback_host
 from pipeline.generate.sources.http.journal import JournalError, Record, ResponseJournal, request_digest
 from pipeline.generate.sources.http.ledger_client import LedgerClient
 from pipeline.generate.sources.http.replay import ReplayIndex, replay_source

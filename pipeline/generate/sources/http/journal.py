@@ -32,7 +32,7 @@ from typing import Any, Literal, TypeVar
 
 import pyarrow as pa
 
-from pipeline.base.layout import RunLayout, atomic_write_table
+from pipeline.base.layout import atomic_write_table
 
 try:
     import orjson
@@ -155,21 +155,17 @@ _FIELD_SET = frozenset(_FIELDS)
 _REQUIRED = ("sample_id", "dataset", "source", "model", "sampling", "request_digest")
 
 
-def journal_path(out: str | Path, source: str, actor_uuid: str) -> Path:
-    """The journal file of one source actor in run folder ``out``."""
-    return RunLayout(out).responses / f"{source}-{actor_uuid}.jsonl"
-
-
 # -- the projection: the fields a resume and ``status`` count, kept beside each file ----------------------------
 # (read by ``totals``; written by a file's writer when idle and by a reader that parsed the file)
 
-PROJECTION_VERSION = 1
+PROJECTION_VERSION = 2  # 2: identity, at and each line's byte span (the replay index reads them)
 PROJECTION_META = b"pipeline.journal_projection"
 PROJECTION_DIR = ".totals"
 DIGEST_BYTES = 4096  # the bytes before the offset that must still be there for a projection to hold
 PROJECTION_SCHEMA = pa.schema([("source", pa.string()), ("sample_id", pa.string()), ("dataset", pa.string()),
                                ("kind", pa.string()), ("generation_id", pa.string()), ("charged", pa.int64()),
-                               ("cost", pa.float64()), ("error", pa.string())])
+                               ("cost", pa.float64()), ("error", pa.string()), ("identity", pa.string()),
+                               ("at", pa.float64()), ("start", pa.int64()), ("end", pa.int64())])
 PROJECTION_CHUNK = 65_536  # rows a writer holds as Python before they become an Arrow batch
 
 
@@ -178,13 +174,16 @@ def projection_path(path: Path) -> Path:
     return path.parent / PROJECTION_DIR / f"{path.name}.parquet"
 
 
-def projected_row(rec: Mapping[str, Any]) -> tuple[Any, ...]:
-    """One checked journal line's (``record_fields``) counted fields, in ``PROJECTION_SCHEMA``'s order."""
+def projected_row(rec: Mapping[str, Any], start: int, end: int) -> tuple[Any, ...]:
+    """One checked journal line's (``record_fields``) counted fields and where the line lies (bytes ``start`` to
+    ``end``, its newline excluded), in ``PROJECTION_SCHEMA``'s order."""
     charged = rec.get("charged_tokens")
     charged = rec.get("billed_completion_tokens", 0) if charged is None else charged
+    at = rec.get("at")
     return (rec["source"], rec["sample_id"], rec["dataset"], rec.get("kind", "response"),
             str(rec.get("generation_id") or ""), max(0, int(charged)), float(rec.get("cost") or 0.0),
-            str(rec.get("error") or ""))
+            str(rec.get("error") or ""), str(rec.get("identity") or ""),
+            float(at) if isinstance(at, int | float) and not isinstance(at, bool) else 0.0, start, end)
 
 
 def projection_batch(rows: list[tuple[Any, ...]]) -> pa.RecordBatch:
@@ -292,10 +291,11 @@ class ResponseJournal:
                 self._fail(e, "write")
                 raise self._failure() from e
             self.written += 1
-            self._bytes += len(line)
             self._rows.append((record.source, record.sample_id, record.dataset, record.kind,
                                record.generation_id or "", record.charged, float(record.cost or 0.0),
-                               record.error or ""))
+                               record.error or "", record.identity or "", float(record.at), self._bytes,
+                               self._bytes + len(line) - 1))
+            self._bytes += len(line)
             if len(self._rows) >= PROJECTION_CHUNK:
                 self._batches.append(projection_batch(self._rows))
                 self._rows = []

@@ -23,12 +23,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.base.config import OpenRouterSourceConfig, SamplingConfig
+from pipeline.base.config import SamplingConfig
 from pipeline.base.flight import NextSource, batch_to_rows, fail_row, leave_to_do, rows_to_table, served, serves
+from pipeline.base.layout import RunLayout
 from pipeline.base.records import SAMPLE_COLUMNS, SAMPLE_SCHEMA
 from pipeline.generate.ledger import halt
+from pipeline.generate.sources.http.config import OpenRouterSourceConfig
 from pipeline.generate.sources.http.engine import NOT_GENERATED, OK, QUARANTINED, HttpEngine, Secret
-from pipeline.generate.sources.http.journal import Record, ResponseJournal, journal_path
+from pipeline.generate.sources.http.journal import Record, ResponseJournal
 from pipeline.generate.sources.http.ledger_client import ledger_client
 from pipeline.generate.sources.http.replay import ReplayIndex
 from pipeline.profiles import load_profile
@@ -101,7 +103,7 @@ class OpenRouterGenerator:
 
     def __init__(self, cfg: OpenRouterSourceConfig | Mapping[str, Any], profile_name: str, model_dir: str | None,
                  ledger_handle: Any, *, sampling: SamplingConfig | Mapping[str, Any] | None = None,
-                 source_name: str | None = None, seed: int | None = None, output_dir: str | None = None,
+                 source_name: str | None = None, seed: int | None = None, layout: RunLayout | None = None,
                  replay: Mapping[str, Any] | None = None) -> None:
         self.cfg = cfg if isinstance(cfg, OpenRouterSourceConfig) else OpenRouterSourceConfig.model_validate(cfg)
         if sampling is not None and not isinstance(sampling, SamplingConfig):
@@ -114,8 +116,8 @@ class OpenRouterGenerator:
         holder = f"{_actor_id()}:{uuid.uuid4().hex[:12]}"  # whose reservations: this engine in this actor
         # One journal file per actor (one writer per file); none outside a run folder (tests, benches).
         journal, index = None, None
-        if output_dir:
-            path = journal_path(output_dir, name, holder.rsplit(":", 1)[1])
+        if layout is not None:
+            path = layout.response_journal(name, holder.rsplit(":", 1)[1])
             # What any actor of this folder was billed for, the dead predecessor's included, before sending.
             index = ReplayIndex(path.parent, name, exclude=path, identity=self.cfg.identity())
             journal = ResponseJournal(path, flush_every_s=self.cfg.journal_flush_s)
@@ -205,13 +207,13 @@ class OpenRouterFlight:
 
     def __init__(self, model_dir: str | None, profile: str, sampling: SamplingConfig | Mapping[str, Any],
                  cfg: OpenRouterSourceConfig, router: NextSource | None = None, *, ledger: Any,
-                 output_dir: str | None = None, replay: Mapping[str, str] | None = None) -> None:
+                 layout: RunLayout | None = None, replay: Mapping[str, str] | None = None) -> None:
         self.name = cfg.name
         self.router = router
         self.start_error: str | None = None
         try:
             self.inner = OpenRouterGenerator(cfg, profile, model_dir, ledger, sampling=sampling,
-                                             source_name=cfg.name, output_dir=output_dir, replay=replay)
+                                             source_name=cfg.name, layout=layout, replay=replay)
         except MissingKey as e:  # an account problem: its prompts stay to do (or move on), the run goes on
             self.start_error = str(e)
             log.error("%s; its prompts are left to do", e)

@@ -7,6 +7,11 @@ folder before it sends anything, and reads what the other actors appended
 since before each batch (a batch retried on a live actor after its first actor
 died). The index holds where each response lies (file, offset), not the
 response, so a million-response folder costs an actor tens of MB, not GB.
+
+A file seen for the first time is indexed from its projection (``totals.projection_to``: the stored one and
+what was appended since), so a resume's actors parse no line their predecessors' writers projected; what is
+appended later is parsed line by line, checking only the fields the index keeps (``record_fields``). The one
+record replayed is parsed whole when it is taken (``get``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.generate.sources.http.journal import Record, journal_files
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.generate.sources.http.journal import Record, journal_files, record_fields
+from pipeline.generate.sources.http.totals import projection_to
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +73,36 @@ class ReplayIndex:
             done = self._scanned.get(path, 0)
             if size <= done:
                 continue
-            n += self._scan(path, done, size)
+            n += self._scan(path, done, size) if done else self._project(path)
         return n
+
+    def _project(self, path: Path) -> int:
+        """Index a file not seen before from its projection (no line parsed where one is stored)."""
+        try:
+            table, offset = projection_to(path)
+        except OSError as e:
+            log.warning("replay index: cannot read %s: %s", path, e)
+            return 0
+        table = table.filter(self._wanted_rows(table))
+        for sid, at, start, end in zip(*(table.column(c).to_pylist() for c in ("sample_id", "at", "start", "end")),
+                                       strict=True):
+            self._note(sid, path, start, end, at)
+        self._scanned[path] = offset
+        return table.num_rows
+
+    def _wanted_rows(self, table: pa.Table) -> pa.Array:
+        """``_wanted`` over a projection's columns."""
+        response = pc.equal(table["kind"], "response")
+        if not self.identity:
+            return pc.and_(response, pc.equal(table["source"], self.source))
+        by_identity = pc.if_else(pc.not_equal(table["identity"], ""), pc.equal(table["identity"], self.identity),
+                                 pc.equal(table["source"], self.source))
+        return pc.and_(response, by_identity)
+
+    def _note(self, sample_id: str, path: Path, start: int, end: int, at: float) -> None:
+        seen = self._where.get(sample_id)
+        if seen is None or at >= seen.at:
+            self._where[sample_id] = _Where(path, start, end, at)
 
     def _scan(self, path: Path, start: int, size: int, chunk: int = 8 << 20) -> int:
         """Index whole lines in [start, size), ``chunk`` bytes at a time (a journal of long reasoning answers
@@ -94,25 +131,25 @@ class ReplayIndex:
             line = data[at:nl]
             if line.strip():
                 try:
-                    rec = Record.from_json(line)
+                    rec = record_fields(line)
                 except (ValueError, TypeError):
                     rec = None  # a torn line healed by a newline, or a foreign one: nothing to replay
                 if rec is not None and self._wanted(rec):
-                    seen = self._where.get(rec.sample_id)
-                    if seen is None or rec.at >= seen.at:
-                        self._where[rec.sample_id] = _Where(path, offset + at, offset + nl, rec.at)
+                    when = rec.get("at")
+                    when = float(when) if isinstance(when, int | float) and not isinstance(when, bool) else 0.0
+                    self._note(rec["sample_id"], path, offset + at, offset + nl, when)
                     n += 1
             at = nl + 1
         return n
 
-    def _wanted(self, rec: Record) -> bool:
-        """A response of this source: by identity when both sides have one (a renamed source keeps its
-        responses), else by name."""
-        if rec.kind != "response":
+    def _wanted(self, rec: dict) -> bool:
+        """A response of this source (``rec``: a line's ``record_fields``): by identity when both sides have one
+        (a renamed source keeps its responses), else by name."""
+        if rec.get("kind", "response") != "response":
             return False
-        if self.identity and rec.identity:
-            return rec.identity == self.identity
-        return rec.source == self.source
+        if self.identity and rec.get("identity"):
+            return rec["identity"] == self.identity
+        return rec["source"] == self.source
 
     def get(self, sample_id: str) -> Record | None:
         """The journaled response for this prompt, or None; reads it from its file."""

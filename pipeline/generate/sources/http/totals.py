@@ -3,7 +3,8 @@
 Each journal file is append-only (one writer, ``journal.ResponseJournal``), ~770 bytes a record with the answer's
 text; at 200,000 records a parse took ~2 s of one core on every resume and every ``status``. Beside each file,
 ``responses/.totals/{file}.parquet`` keeps the few fields the counts need (source, sample id, dataset, kind,
-generation id, charged tokens, cost, error) for the file's bytes up to its last whole line, with that offset and a
+generation id, charged tokens, cost, error) and the replay index needs (identity, time, each line's byte span:
+``replay.ReplayIndex``) for the file's bytes up to its last whole line, with that offset and a
 digest of the bytes before it: the file's writer stores it when idle (the HTTP source's idle close, so a finished
 run leaves it), and a reader that parsed more of the file stores its own. A reader takes the projection while the
 file still holds those bytes (same inode, at least as long, the same bytes before the offset) and parses only what
@@ -65,7 +66,7 @@ def _parse(path: Path, data: bytes, start: int) -> list[tuple[Any, ...]]:
     for line in data.split(b"\n"):
         if line.strip():
             try:
-                rows.append(projected_row(record_fields(line)))
+                rows.append(projected_row(record_fields(line), at, at + len(line)))
             except (ValueError, TypeError) as e:
                 log.warning("journal %s: skipping the unreadable line at byte %d: %s", path, at, e)
         at += len(line) + 1
@@ -99,6 +100,11 @@ def file_projection(path: Path) -> pa.Table:
     """The projected rows of one journal file, in write order: its stored projection and what was appended
     since, read ``READ_CHUNK`` bytes at a time, the stored one brought up to date; a torn last line (a kill
     mid-write) is left out."""
+    return projection_to(path)[0]
+
+
+def projection_to(path: Path) -> tuple[pa.Table, int]:
+    """``file_projection`` and the byte offset it covers (the end of the file's last whole line)."""
     cache = projection_path(path)
     with open(path, "rb") as fh:
         st = os.fstat(fh.fileno())
@@ -118,7 +124,7 @@ def file_projection(path: Path) -> pa.Table:
             store_projection(path, table, fh.fileno(), pos)
     if carry.strip():
         log.info("journal %s: skipping a torn last line (%d bytes)", path, len(carry))
-    return table
+    return table, pos
 
 
 def totals_of(table: pa.Table) -> JournalTotals:
