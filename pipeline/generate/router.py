@@ -1,8 +1,8 @@
 """Which source serves each prompt: a pure, deterministic function of the sample id and the config.
 
-Sources sit in one Ray Data chain (render -> assign -> source 1 -> ... ->
-validate -> write). ``assign_sources`` writes each prompt's source into its
-``source`` column; each source stage serves only the rows addressed to it and
+Sources sit in one Ray Data chain (render and assign -> source 1 -> ... ->
+close and validate -> write). ``assign_sources`` writes each prompt's source into its
+``source`` column (in the render actors); each source stage serves only the rows addressed to it and
 passes the rest on. Routing is weighted rendezvous hashing: every (sample id,
 source) pair gets a hash score scaled by the source's weight and the prompt
 goes to the best one, so shares follow the weights, and removing a source

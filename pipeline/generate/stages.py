@@ -7,7 +7,7 @@ by its constructor arguments; the generation sources sit between render and vali
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,8 @@ from pipeline.base.flight import as_flight, batch_to_rows, mark, marked, rows_to
 from pipeline.base.layout import RunLayout, atomic_write_table, shard_name
 from pipeline.base.records import QUARANTINE_SCHEMA, SAMPLE_SCHEMA, empty_sample, quarantine_row, read_ids
 from pipeline.checks.validate import annotate, quarantine_reason, validate_sample
+from pipeline.generate.router import Router
+from pipeline.generate.sources.chain import assign_sources, close_unserved
 from pipeline.profiles import load_profile
 
 
@@ -34,15 +36,18 @@ def pool_bounds(pool: PoolConfig, sources: Sequence[Any], cluster_cpus: float | 
 
 
 class RenderPrompts:
-    """Chat-template each prompt into the exact ids the engine is given.
+    """Chat-template each prompt into the exact ids the engine is given, then (given a ``router``) write each
+    rendered row's source, as ``chain.assign_sources`` does (``overrides``: a re-fed re-route's sources).
 
     ``max_prompt_tokens`` (dataset -> limit): a prompt that leaves no room for a response under its
     dataset's ``max_length`` check is quarantined here, before any source spends compute or money on it.
     """
 
-    def __init__(self, profile: str, model_dir: str | None, max_prompt_tokens: dict[str, int] | None = None) -> None:
+    def __init__(self, profile: str, model_dir: str | None, max_prompt_tokens: dict[str, int] | None = None,
+                 router: Router | None = None, overrides: Mapping[str, str] | None = None) -> None:
         self.profile = load_profile(profile, model_dir)
         self.max_prompt_tokens = dict(max_prompt_tokens or {})
+        self.router, self.overrides = router, dict(overrides or {})
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         out = []
@@ -62,17 +67,25 @@ class RenderPrompts:
                 mark(sample, "quarantine", "render", f"max_length: prompt of {len(sample['prompt_ids'])} tokens "
                      f"leaves no room for a response under max_total_tokens {limit} (nothing was generated)")
             out.append(sample)
-        return rows_to_table(out)
+        table = rows_to_table(out)
+        return table if self.router is None else assign_sources(table, self.router, self.overrides)
 
 
 class ValidateSamples:
-    """Run the named checks; failures in quarantine mode route the sample to quarantine."""
+    """Run the named checks; failures in quarantine mode route the sample to quarantine.
 
-    def __init__(self, profile: str, model_dir: str | None, checks: dict[str, dict[str, Any]]) -> None:
+    ``closes_chain``: the rows come straight from the source stages, so first an ok row no stage generated is
+    quarantined (``chain.close_unserved``)."""
+
+    def __init__(self, profile: str, model_dir: str | None, checks: dict[str, dict[str, Any]],
+                 closes_chain: bool = False) -> None:
         self.profile = load_profile(profile, model_dir)
         self.checks = {name: ChecksConfig.model_validate(c) for name, c in checks.items()}
+        self.closes_chain = closes_chain
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.closes_chain:
+            batch = close_unserved(batch)
         out = []
         for row in batch_to_rows(batch):
             if row["status"] == "ok":

@@ -1,11 +1,14 @@
 """From written samples to a trained drafter: hidden-state extraction handed to the Ray Train loop.
 
-Two ways to hand the states over, one flow:
+Two ways to hand the states over (``extraction.mode``), one flow: each is a
+``Handoff`` in ``HANDOFFS`` and says what differs (``prepare``, ``hidden_rows``,
+``draft_vocab``, ...); ``extract_and_train`` never asks which one it has.
 
-- ``stream`` (default): the extraction actors' Ray Dataset *is* the training
-  input; nothing is written. Held-out evaluation re-runs a small extraction.
-- ``shards``: extraction writes Arrow shards to ``hidden/`` first (resumable);
-  training and held-out evaluation read them back.
+- ``stream`` (default, ``StreamHandoff``): the extraction actors' Ray Dataset
+  *is* the training input; nothing is written. Held-out evaluation re-runs a
+  small extraction.
+- ``shards`` (``ShardsHandoff``): extraction writes Arrow shards to ``hidden/``
+  first (resumable); training and held-out evaluation read them back.
 
 Either way a hash-chosen held-out slice of the samples (``heldout_fraction``)
 never reaches training or the draft vocabulary, and the exported drafter's
@@ -73,15 +76,35 @@ class Handoff:
 
     def hidden_rows(self, keep_heldout: bool) -> Any:
         """Extracted rows (hidden states + loss mask) as a Ray Dataset: the training rows or the held-out ones."""
+        raise NotImplementedError
+
+    # What differs between the modes (the stream's answers here; ShardsHandoff overrides them).
+    keeps_shards = False  # the run's states stay in hidden/ (a value run reads them there)
+    without_training = False  # extraction has a use with training off (``training: null``)
+    train_timing = "extract+train"  # the report's name for the training step's time
+
+    def prepare(self, console: Console, timings: Timings) -> None:
+        """What runs before training reads ``hidden_rows``."""
+
+    def draft_vocab(self, target_vocab: int) -> VocabMapping | None:
+        """The draft vocabulary, when it must be counted here (None: training counts it from its rows)."""
+        return None
+
+    def feeding(self) -> ExtractWatch | None:
+        """What the training line shows of the states still being extracted, if any."""
+        return None
+
+    def heldout_waiting(self, watch: ExtractWatch) -> str:
+        """The held-out line while the held-out rows are being read."""
+        return "[held-out] measuring the drafter"
+
+    def extractor_rows(self, keep_heldout: bool) -> Any:
+        """The extraction actors over the (split) samples: the states extracted now, nothing written."""
         import ray.data
 
-        ex = self.cfg.extraction
-        if ex.mode == "shards":
-            from pipeline.hidden.shards import hidden_shards_dataset
-
-            return self.split(hidden_shards_dataset(self.layout.hidden), keep_heldout)
         from pipeline.hidden.extract import HiddenStateExtractor
 
+        ex = self.cfg.extraction
         samples, _ = read_samples_dataset(self.layout.samples, SAMPLE_INPUT_COLUMNS)  # one row per sample id
         return self.split(samples, keep_heldout).map_batches(
             HiddenStateExtractor,
@@ -106,6 +129,55 @@ class Handoff:
                           rows_per_call=ex.rows_per_call, dtype=ex.shard_dtype, num_actors=ex.num_actors,
                           num_cpus=ex.num_cpus, num_gpus=ex.num_gpus, extractor_kwargs=kwargs,
                           ray_resources=self.resources())
+
+
+class StreamHandoff(Handoff):
+    """The extraction actors' Dataset is the training input; held-out evaluation extracts its slice again."""
+
+    def hidden_rows(self, keep_heldout: bool) -> Any:
+        return self.extractor_rows(keep_heldout)
+
+    def draft_vocab(self, target_vocab: int) -> VocabMapping | None:
+        # counted from the samples, not the stream: counting the stream would run the extraction once more
+        ex, tcfg = self.cfg.extraction, self.cfg.training
+        return draft_vocab_from_samples(self.layout, target_vocab, tcfg.draft_vocab_size, ex.max_len, ex.too_long,
+                                        self.heldout)
+
+    def feeding(self) -> ExtractWatch | None:
+        # a materialized stream is extracted whole before the first step; otherwise extraction runs alongside
+        if not self.cfg.training.materialize:
+            return None
+        return ExtractWatch(self.layout.extract_stats, training_samples(self.layout, self.heldout))
+
+    def heldout_waiting(self, watch: ExtractWatch) -> str:
+        return watch.line()
+
+
+class ShardsHandoff(Handoff):
+    """Extraction writes shards to hidden/ once (resumable); training and held-out evaluation read them."""
+
+    keeps_shards = True
+    without_training = True  # the shards stay for a later training or a value run
+    train_timing = "train"
+
+    def prepare(self, console: Console, timings: Timings) -> None:
+        t0 = time.perf_counter()
+        with placement_groups_released(), console.phase(ExtractWatch(self.layout.extract_stats, None).line):
+            self.write_shards()
+        timings.add("extract", t0)
+
+    def hidden_rows(self, keep_heldout: bool) -> Any:
+        from pipeline.hidden.shards import hidden_shards_dataset
+
+        return self.split(hidden_shards_dataset(self.layout.hidden), keep_heldout)
+
+
+HANDOFFS: dict[str, type[Handoff]] = {"stream": StreamHandoff, "shards": ShardsHandoff}
+
+
+def handoff_for(cfg: RunConfig, layout: RunLayout, aux_layer_ids: list[int], heldout: float) -> Handoff:
+    """The hand-off of the run's ``extraction.mode``."""
+    return HANDOFFS[cfg.extraction.mode](cfg, layout, aux_layer_ids, heldout)
 
 
 def extraction_resources(ex: ExtractionConfig) -> dict[str, Any]:
@@ -139,7 +211,7 @@ def placement_groups_released() -> Iterator[None]:
 def skip_reason(cfg: RunConfig, layout: RunLayout) -> str | None:
     if not any(layout.samples.glob("*.parquet")):
         return "no passed samples to train on"
-    if cfg.training is None and cfg.extraction.mode == "stream":
+    if cfg.training is None and not HANDOFFS[cfg.extraction.mode].without_training:
         return "training is off and extraction streams into training: nothing to extract"
     return None
 
@@ -158,14 +230,10 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
     tcfg, ex = cfg.training, cfg.extraction
     target_cfg = read_target_config(cfg.model.path)  # the language model's, also for a multimodal checkpoint
     aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg["num_hidden_layers"])
-    h = Handoff(cfg, layout, aux_ids, tcfg.heldout_fraction if tcfg is not None else 0.0)
+    h = handoff_for(cfg, layout, aux_ids, tcfg.heldout_fraction if tcfg is not None else 0.0)
     result: dict[str, Any] = {"aux_layer_ids": aux_ids, "extraction_mode": ex.mode,
                               "bytes_per_token": bytes_per_token(target_cfg["hidden_size"], len(aux_ids))}
-    if ex.mode == "shards":
-        t0 = time.perf_counter()
-        with placement_groups_released(), console.phase(ExtractWatch(layout.extract_stats, None).line):
-            h.write_shards()
-        timings.add("extract", t0)
+    h.prepare(console, timings)
     rows = h.hidden_rows(keep_heldout=False)
     t0 = time.perf_counter()
     if tcfg is None:
@@ -177,17 +245,11 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
         from training.train import train_drafter
 
         fresh_drafter(layout, *training_data(layout, h.heldout), console)
-
-        # counted from the samples, not the stream: counting the stream would run the extraction once more
-        vocab = draft_vocab_from_samples(layout, target_cfg["vocab_size"], tcfg.draft_vocab_size, ex.max_len,
-                                         ex.too_long, h.heldout) if ex.mode == "stream" else None
-        # a materialized stream is extracted whole before the first step; otherwise extraction runs alongside
-        feeding = ExtractWatch(layout.extract_stats, training_samples(layout, h.heldout)) \
-            if ex.mode == "stream" and tcfg.materialize else None
-        with placement_groups_released(), console.phase(TrainWatch(layout.metrics, tcfg.steps, feeding).lines):
+        vocab = h.draft_vocab(target_cfg["vocab_size"])
+        with placement_groups_released(), console.phase(TrainWatch(layout.metrics, tcfg.steps, h.feeding()).lines):
             res = train_drafter(rows, tcfg.model_copy(update={"aux_layer_ids": aux_ids}), cfg.model.path,
                                 layout.drafter, vocab=vocab)
-        timings.add("extract+train" if ex.mode == "stream" else "train", t0)
+        timings.add(h.train_timing, t0)
         result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
                       metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
         if h.heldout:
@@ -197,7 +259,7 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
             def held_line(final: bool) -> str:
                 if final and "heldout" in result:
                     return heldout_line(result["heldout"], time.perf_counter() - t0)
-                return watch.line() if ex.mode == "stream" else "[held-out] measuring the drafter"
+                return h.heldout_waiting(watch)
 
             with console.phase(held_line):
                 # stream mode: a second, small extraction pass (one more engine start-up); shards: a re-read

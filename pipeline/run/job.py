@@ -440,7 +440,7 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
     import ray.data
 
     from pipeline.generate.router import build_router
-    from pipeline.generate.sources.chain import map_routed, release_placement_groups, reroute_overrides
+    from pipeline.generate.sources.chain import map_sources, release_placement_groups, reroute_overrides
 
     model = cfg.model
     # The overflow deadline runs from here (engine start-up counts: it is wall clock the user waits).
@@ -451,12 +451,13 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
     pools = stage_pools(cfg)
     for _ in range(cfg.routing.max_hops + 2):
         ds = pass_dataset(todo, block_rows)  # read in the workers (pipeline.prompts.read); a list in tests
-        ds = ds.map_batches(RenderPrompts, fn_constructor_args=(model.profile, model.path, max_prompt_tokens(cfg)),
+        # render routes (assign_sources) and validate closes the chain (close_unserved): no actor of their own
+        ds = ds.map_batches(RenderPrompts, fn_constructor_args=(model.profile, model.path, max_prompt_tokens(cfg),
+                                                                router, overrides),
                             batch_format="pyarrow", **pools["render"])
-        ds = map_routed(ds, cfg.sources, model_dir=model.path, profile=model.profile,
-                        sampling=cfg.sampling, router=router, ledgers=ledgers, overrides=overrides,
-                        layout=layout, replays=replayed)
-        ds = ds.map_batches(ValidateSamples, fn_constructor_args=(model.profile, model.path, checks),
+        ds = map_sources(ds, cfg.sources, model_dir=model.path, profile=model.profile, sampling=cfg.sampling,
+                         router=router, ledgers=ledgers, layout=layout, replays=replayed)
+        ds = ds.map_batches(ValidateSamples, fn_constructor_args=(model.profile, model.path, checks, True),
                             batch_format="pyarrow", **pools["validate"])
         lock = current_lock()  # the shard writer checks it still owns the folder before every shard
         fence = {"token": lock.token} if lock is not None else {}  # the lock of layout.lock (RunLock.for_folder)

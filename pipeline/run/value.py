@@ -77,7 +77,7 @@ def sample_costs(layout: RunLayout, cfg: RunConfig) -> list[dict[str, Any]]:
 
 
 def _value(cfg: RunConfig, layout: RunLayout, opts: ValueOptions, console: Console) -> dict[str, Any]:
-    from pipeline.hidden.handoff import Handoff, placement_groups_released
+    from pipeline.hidden.handoff import HANDOFFS, Handoff, placement_groups_released
     from pipeline.hidden.shards import completed_sample_ids, load_index
     from pipeline.run.job import init_ray
     from training.config import DraftTrainConfig, resolve_aux_layer_ids
@@ -97,7 +97,7 @@ def _value(cfg: RunConfig, layout: RunLayout, opts: ValueOptions, console: Conso
     if missing := sorted(set(names) - set(have)):
         raise ValueRefused(f"no passed samples of {', '.join(missing)} (datasets with samples: {', '.join(have)})")
     init_ray(cfg)
-    hidden = layout.hidden if cfg.extraction.mode == "shards" else layout.value_hidden
+    hidden = layout.hidden if HANDOFFS[cfg.extraction.mode].keeps_shards else layout.value_hidden
     target_cfg = read_target_config(cfg.model.path)
     aux_ids = ((load_index(hidden).get("meta") or {}).get("aux_layer_ids") or cfg.extraction.aux_layer_ids
                or resolve_aux_layer_ids(tcfg, target_cfg["num_hidden_layers"]))

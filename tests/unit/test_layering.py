@@ -118,6 +118,24 @@ def test_no_branching_on_source_kind_outside_the_registry():
     assert offenders == []
 
 
+def test_no_branching_on_the_hand_off_mode_outside_its_classes():
+    """What differs between ``extraction.mode: stream`` and ``shards`` is a ``Handoff`` subclass's answer
+    (pipeline.hidden.handoff.HANDOFFS); only the config's own checks name a mode."""
+    from pipeline.hidden.handoff import HANDOFFS
+
+    allowed = {"pipeline.hidden.handoff", "pipeline.base.config", "pipeline.run.config"}
+    offenders = []
+    for name, path in project_modules().items():
+        if name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+            if any(isinstance(o, ast.Attribute) and o.attr == "mode" for o in operands) and any(
+                    isinstance(o, ast.Constant) and o.value in HANDOFFS for o in operands):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert offenders == []
+
+
 def test_each_source_kind_is_self_contained_and_the_config_union_comes_from_the_registry():
     """A kind's schema sits beside its adapter (the same package) and every schema of the ``sources:`` union is
     a registry entry's, so a new kind is one module and one line in ``KIND_MODULES``."""

@@ -63,3 +63,44 @@ def test_cpu_stage_pools_follow_the_sources_and_the_cluster():
     assert pool_bounds(PoolConfig(), sources, cluster_cpus=2) == (1, 2)  # more would only queue for CPUs
     assert pool_bounds(PoolConfig(min_actors=3), sources, cluster_cpus=2) == (3, 3)
     assert pool_bounds(PoolConfig(min_actors=1, max_actors=5), sources, cluster_cpus=2) == (1, 5)  # set: kept
+
+
+def test_render_routes_and_validate_closes_the_chain_as_the_routing_actors_did():
+    """The run folds the chain's two ends into its CPU pools: render writes each row's source as
+    ``assign_sources`` does (an override wins, an unroutable row is quarantined), and validate quarantines an
+    ok row no source generated as ``close_unserved`` does, before its checks."""
+    from pipeline.base.config import RoutingConfig
+    from pipeline.base.flight import rows_to_table
+    from pipeline.generate.router import build_router
+    from pipeline.generate.sources.chain import assign_sources, close_unserved
+    from pipeline.generate.sources.engines.config import VLLMSourceConfig
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+    from pipeline.generate.stages import ValidateSamples
+    from tests.unit.test_run_lock import _flight
+
+    sources = [VLLMSourceConfig(name="local"), OpenRouterSourceConfig(name="api", model="m/x")]
+    datasets = [type("D", (), {"name": "chat", "sources": None})(), type("D", (), {"name": "api-only",
+                                                                                "sources": ["api"]})()]
+    router = build_router(sources, datasets, RoutingConfig(), 40)
+    rows = [prompt(i, f"Question {i}?") for i in range(30)] + [prompt(30, "Q?", dataset="api-only"),
+                                                                prompt(31, "Q?", dataset="nowhere")]
+    overrides = {rows[3]["sample_id"]: "api"}
+    plain = RenderPrompts("deepseek", None)(pa.Table.from_pylist(rows))
+    routed = RenderPrompts("deepseek", None, None, router, overrides)(pa.Table.from_pylist(rows))
+    assert routed.equals(assign_sources(plain, router, overrides))
+    got = {r["sample_id"]: r for r in routed.to_pylist()}
+    assert {got[r["sample_id"]]["source"] for r in rows[:30]} == {"local", "api"}  # both sources get a share
+    assert got[rows[3]["sample_id"]]["source"] == "api" and got[rows[30]["sample_id"]]["source"] == "api"
+
+    served, unserved = _flight("a"), _flight("b")
+    served.update(output_ids=[5, 6], source="api")
+    unserved.update(output_ids=None, source="gone")
+    batch = rows_to_table([served, unserved])
+    modes = ("structure", "roundtrip", "roundtrip_rebuilt", "billing", "tool_semantics", "empty_content", "truncated",
+             "repetition", "max_length")
+    checks = {"d": dict.fromkeys(modes, "off")}
+    out = ValidateSamples("deepseek", None, checks, closes_chain=True)(batch).to_pylist()
+    closed = close_unserved(batch).to_pylist()
+    assert (out[1]["status"], out[1]["reason"]) == (closed[1]["status"], closed[1]["reason"]) == (
+        "quarantine", "route: no stage in the chain served source 'gone'")
+    assert out[0]["status"] == "ok"
