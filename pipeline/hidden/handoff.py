@@ -74,10 +74,6 @@ class Handoff:
                                  batch_format="pyarrow", num_cpus=0)
         return split.limit(self.cfg.training.heldout_max_samples) if keep_heldout else split
 
-    def hidden_rows(self, keep_heldout: bool) -> Any:
-        """Extracted rows (hidden states + loss mask) as a Ray Dataset: the training rows or the held-out ones."""
-        raise NotImplementedError
-
     # What differs between the modes (the stream's answers here; ShardsHandoff overrides them).
     keeps_shards = False  # the run's states stay in hidden/ (a value run reads them there)
     without_training = False  # extraction has a use with training off (``training: null``)
@@ -98,8 +94,9 @@ class Handoff:
         """The held-out line while the held-out rows are being read."""
         return "[held-out] measuring the drafter"
 
-    def extractor_rows(self, keep_heldout: bool) -> Any:
-        """The extraction actors over the (split) samples: the states extracted now, nothing written."""
+    def hidden_rows(self, keep_heldout: bool) -> Any:
+        """Extracted rows (hidden states + loss mask) as a Ray Dataset: the training rows or the held-out ones.
+        Here the extraction actors over the (split) samples, nothing written; ``ShardsHandoff`` reads shards."""
         import ray.data
 
         from pipeline.hidden.extract import HiddenStateExtractor
@@ -133,9 +130,6 @@ class Handoff:
 
 class StreamHandoff(Handoff):
     """The extraction actors' Dataset is the training input; held-out evaluation extracts its slice again."""
-
-    def hidden_rows(self, keep_heldout: bool) -> Any:
-        return self.extractor_rows(keep_heldout)
 
     def draft_vocab(self, target_vocab: int) -> VocabMapping | None:
         # counted from the samples, not the stream: counting the stream would run the extraction once more
