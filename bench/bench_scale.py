@@ -52,7 +52,7 @@ PROFILE = "deepseek"
 # One core per actor: the tokenizers and any BLAS stay on the CPU Ray gave the actor.
 ONE_THREAD = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
               "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-GENERATE_LINE = re.compile(r"\[generate\] (\d+)/(\d+) done")
+GENERATE_LINE = re.compile(r"\[generate\] (\d+)/~?(\d+) done")
 
 
 # ----------------------------------------------------------------------------- shared parts

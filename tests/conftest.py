@@ -162,11 +162,8 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory):
 def ray_session(ray_head: RayHead):
     import ray
 
-    from pipeline.base.ray_worker import SETUP_HOOK
-
-    if not ray.is_initialized():
-        ray.init(address=ray_head.address, _node_ip_address="127.0.0.1",
-                 runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "worker_process_setup_hook": SETUP_HOOK})
+    if not ray.is_initialized():  # no runtime_env, as the CLI's local Ray (pipeline.run.job.init_ray)
+        ray.init(address=ray_head.address, _node_ip_address="127.0.0.1")
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
     yield ray

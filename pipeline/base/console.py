@@ -78,6 +78,7 @@ class GenerateSnapshot:
     tokens: int
     cost: float
     elapsed_s: float
+    estimated: bool = False  # ``total`` is the files' row count: the index pass is still counting
 
 
 Spend = Mapping[str, Mapping[str, tuple[int, int | None]]]  # source -> dataset -> (tokens committed, budget)
@@ -97,7 +98,7 @@ def spend_text(spend: Spend, cost: float = 0.0) -> str:
 
 
 def generate_line(s: GenerateSnapshot, spend: Spend | None = None, *, final: bool = False) -> str:
-    head = f"[generate] {s.done}/{s.total} done"
+    head = f"[generate] {s.done}/{'~' if s.estimated else ''}{s.total} done"
     if final:
         head += f" in {duration(s.elapsed_s)}"
     rate = s.tokens / s.elapsed_s if s.elapsed_s > 0 else 0.0
@@ -178,9 +179,10 @@ def describe_training(training: Any, stated: bool) -> str:
 
 
 def header_lines(title: str, datasets: Sequence[tuple[str, int]], sources: Sequence[str], output: str | Path,
-                 resumed_done: int, to_do: int, logs: str | Path | None, training: str | None = None) -> list[str]:
+                 resumed_done: int, to_do: int, logs: str | Path | None, training: str | None = None, *,
+                 estimated: bool = False) -> list[str]:
     """The lines a run starts with: what it reads, who generates, what it trains, where it writes, what a
-    resume skips."""
+    resume skips. ``estimated``: ``to_do`` is the files' row count (a fresh run counts while it generates)."""
     rows = sum(n for _, n in datasets)
     lines = [
         f"pipeline run {title}",
@@ -189,7 +191,8 @@ def header_lines(title: str, datasets: Sequence[tuple[str, int]], sources: Seque
         *([f"  training  {training}"] if training else []),
         f"  output    {output}",
         f"  resume    {resumed_done} rows already done, {to_do} to do" if resumed_done else
-        f"  to do     {to_do} prompts",
+        f"  to do     {'at most ' if estimated else ''}{to_do} prompts"
+        + (" (malformed rows are counted while generation starts)" if estimated else ""),
     ]
     if logs is not None:
         lines.append(f"  logs      {logs}/ (vLLM, Ray, transformers, torch, the pipeline's own; --verbose prints them)")

@@ -525,9 +525,9 @@ def check_dataset(cfg: DatasetConfig) -> None:
             raise _unreadable(path, e) from None
 
 
-def count_rows(cfg: DatasetConfig) -> int:
+def count_rows(cfg: DatasetConfig, warn: bool = True) -> int:
     """How many rows ``iter_dataset`` yields (prompt and malformed rows alike), parsing none where the file
-    says (a Parquet footer) and holding none; logs ``warn_empty`` as ``load_dataset`` does."""
+    says (a Parquet footer) and holding none; logs ``warn_empty`` as ``load_dataset`` does (``warn``)."""
     path = Path(cfg.path)
     cap = cfg.max_rows if cfg.max_rows is not None else float("inf")
     if path.suffix == ".parquet":
@@ -544,6 +544,6 @@ def count_rows(cfg: DatasetConfig) -> int:
             except UnicodeDecodeError:
                 n += 1  # a line that is not UTF-8 is a (malformed) row
     n = int(min(n, cap))
-    if not n:
+    if not n and warn:
         warn_empty(cfg)
     return n

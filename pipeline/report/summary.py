@@ -49,14 +49,15 @@ class Tally:
     from its ticker thread, so it is replaced whole, never changed in place).
     """
 
-    def __init__(self, total: int, audit: AuditAccumulator) -> None:
+    def __init__(self, total: int, audit: AuditAccumulator, *, estimated: bool = False) -> None:
         self.total = total
+        self.estimated = estimated  # ``total`` is an upper bound until ``counted``
         self.status: Counter = Counter()
         self.audit = audit
         self.tokens = 0
         self.cost = 0.0
         self.t0 = time.perf_counter()
-        self.snapshot = GenerateSnapshot(0, total, 0, 0, 0, 0, 0.0, 0.0)
+        self.snapshot = GenerateSnapshot(0, total, 0, 0, 0, 0, 0.0, 0.0, estimated)
         self.start_errors: dict[str, str] = {}  # source -> why its engine did not start
         self.served: Counter = Counter()  # source -> samples it generated (this attempt)
         self.spilled: Counter = Counter()  # local source -> its prompts an overflow source took past the deadline
@@ -96,11 +97,16 @@ class Tally:
         if row.get("start_error_source"):
             self.start_errors.setdefault(row["start_error_source"], row.get("start_error") or "")
 
+    def counted(self, total: int) -> None:
+        """The index pass's to-do count replaces the estimate the run started with."""
+        self.total, self.estimated = total, False
+
     def progress(self, final: bool = False) -> None:
         now = time.perf_counter()
         record_throughput(self.series, now - self.t0, self.done, self.tokens, self.served, final=final)
         self.snapshot = GenerateSnapshot(self.done, self.total, self.status["ok"], self.status["quarantine"],
-                                         self.status["not_generated"], self.tokens, self.cost, now - self.t0)
+                                         self.status["not_generated"], self.tokens, self.cost, now - self.t0,
+                                         self.estimated)
 
 
 def summarize(tally: Tally, counts: Counter, layout: RunLayout,

@@ -34,17 +34,19 @@ from pipeline.base.records import read_rows, shard_tables
 from pipeline.base.run_lock import RunLock, current_lock, on_lock_lost
 from pipeline.checks.validate import assert_conservation
 from pipeline.generate.ledger import halt, read_spend
-from pipeline.generate.sources.registry import spending_sources
+from pipeline.generate.sources.registry import source_kind, spending_sources
 from pipeline.generate.stages import RenderPrompts, ValidateSamples, WriteShards, pool_bounds
-from pipeline.hidden.handoff import extract_and_train
+from pipeline.hidden.handoff import HANDOFFS, extract_and_train
 from pipeline.prompts.read import (
     TO_DO,
+    IndexPass,
     PromptSet,
     check_prompt_files,
-    index_prompts,
     pass_dataset,
     read_finished_ids,
     reroute_prompts,
+    rows_upper_bound,
+    start_index,
 )
 from pipeline.report.costs import engine_prices
 from pipeline.report.publish import publish_report
@@ -114,22 +116,28 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     init_ray(cfg)
     timings.add("ray_init", t0)
     t0 = time.perf_counter()
-    prompts, counts = read_prompts(cfg, layout, done)  # the index pass: Ray tasks read the files
+    prompts, index = read_prompts(cfg, layout, done)  # the index pass: Ray tasks read the files
+    # A fresh run generates while its index pass parses (its time grows with the prompts); a resume counts first
+    counts = rows_upper_bound(cfg) if prompts.estimated else index.counts()
+    counts["resumed_done"] = len(done)
     timings.add("read", t0)
     console.line("\n".join(header_lines(
         console.title or str(layout.root), [(d.name, counts[f"{d.name}.rows"]) for d in cfg.datasets],
         [describe_source(s) for s in cfg.sources], layout.root, counts["resumed_done"], len(prompts),
-        layout.logs if console.capture else None, describe_training(cfg.training, "training" in cfg.model_fields_set))))
+        layout.logs if console.capture else None, describe_training(cfg.training, "training" in cfg.model_fields_set),
+        estimated=prompts.estimated)))
     check_placement(cfg, len(prompts))
     t0 = time.perf_counter()
     ledgers, held = create_ledgers(cfg, layout)
     unsubscribe = on_lock_lost(lambda reason: [halt(led, f"run lock lost: {reason}") for led in ledgers.values()])
     try:
         # Each source actor reads the response journals itself (pipeline.generate.sources.http.replay) before sending.
-        tally = generate(cfg, prompts, layout, ledgers, console=console)
+        tally = generate(cfg, prompts, layout, ledgers, console=console, index=index)
     finally:
         unsubscribe()
     timings.add("generate", t0)
+    counts = index.counts()  # waited for: its quarantine rows are on disk before the summary reads them
+    counts["resumed_done"] = len(done)
     project_journals(cfg, layout)
 
     report: dict[str, Any] = summarize(tally, counts, layout, engine_prices(cfg.sources))
@@ -163,8 +171,9 @@ def ensure_held() -> None:
         lock.ensure_held()
 
 
-def init_ray(cfg: RunConfig) -> None:
-    """Join the cluster named by config or RAY_ADDRESS; otherwise start a private local Ray."""
+def init_ray(cfg: RunConfig, *, state_api: bool | None = None) -> None:
+    """Join the cluster named by config or RAY_ADDRESS; otherwise start a private local Ray, with its dashboard
+    when ``state_api`` (default: ``needs_state_api``)."""
     import ray
 
     if ray.is_initialized():
@@ -176,20 +185,28 @@ def init_ray(cfg: RunConfig) -> None:
         local_head = address.split("://")[-1].startswith(("127.0.0.1", "localhost"))
         ray.init(address=address, **(loopback if local_head else {}))
     else:
-        from pipeline.base.ray_worker import SETUP_HOOK
-
-        env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
-               "worker_process_setup_hook": SETUP_HOOK}
-        # The dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls every second
-        # (without it: a warning a second, and no clean-up of a dead controller's bundles). It binds the next
-        # free port when 8265 is taken.
-        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=True, runtime_env=env, **loopback)
+        # No runtime_env: a local Ray's workers inherit this process's environment, and any runtime_env costs
+        # ~2 s before the first task (the workers Ray prestarts do not fit it). The engine actors set
+        # VLLM_CPU_KVCACHE_SPACE themselves (from ``kv_cache_gib``); the pandas import the setup hook did is in
+        # ``pipeline/__init__``.
+        dashboard = needs_state_api(cfg) if state_api is None else state_api  # on the next free port past 8265
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=dashboard, **loopback)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     from pipeline.base.logs import after_ray_init
 
     after_ray_init()  # a CLI run: Ray's loggers and the workers' output go to OUTPUT/logs/
+
+
+def needs_state_api(cfg: RunConfig) -> bool:
+    """Whether a local Ray needs its dashboard, which serves Ray's state API: Ray Train's placement-group
+    cleaner polls it every second (without it: a warning a second, and no clean-up of a dead controller's
+    bundles), and the driver asks it which engine actors are still stopping before it exits
+    (``chain.wait_for_retired_engines``). A run that neither trains nor runs an engine (an API source, training
+    off) starts Ray without it: ~1 s and over a core-second less before the first answer on 2 cores."""
+    return (cfg.training is not None or HANDOFFS[cfg.extraction.mode].without_training
+            or any(source_kind(s).holds_engine for s in cfg.sources))
 
 
 def check_placement(cfg: RunConfig, to_do: int) -> None:
@@ -250,19 +267,25 @@ def check_api_keys(cfg: RunConfig) -> None:
                               "(set it to the API key, or api_key_required: false for a local server)")
 
 
-def read_prompts(cfg: RunConfig, layout: RunLayout, done: set[str] | None = None) -> tuple[PromptSet, Counter]:
-    """The prompts not yet finished (not in ``done``, default ``finished_ids``), as a ``PromptSet``: their
-    number and how to read them, no row (Ray must be up). The index pass (pipeline.prompts.read, one Ray task
-    per dataset) counts each file's rows and quarantines its malformed rows, and the prompts an API source
-    gave up on after transient failures in ``transient_runs`` runs (they would only fail again)."""
+def read_prompts(cfg: RunConfig, layout: RunLayout, done: set[str] | None = None) -> tuple[PromptSet, IndexPass]:
+    """The prompts not yet finished (not in ``done``, default ``finished_ids``) as a ``PromptSet`` (how to read
+    them, no row: Ray must be up), and the index pass, started. The index pass (pipeline.prompts.read, one Ray
+    task per dataset) counts each file's rows and quarantines its malformed rows, and the prompts an API source
+    gave up on after transient failures in ``transient_runs`` runs (they would only fail again).
+
+    A fresh run (nothing finished, nothing worn out, no overflow routing, which shares by the count) does not
+    wait for it: its to-do count is the files' row count (``rows_upper_bound``: no row parsed; the malformed
+    rows, which the read skips, are the difference) until the pass ends, so generation starts whatever the
+    number of prompts. Otherwise the pass is waited for here (a resume's is cheap: the files' id indexes)."""
     import ray
 
     done = finished_ids(layout) if done is None else done
     worn = worn_out(cfg, layout)
-    counts = index_prompts(cfg, layout, done, worn)
-    to_do = counts.pop(TO_DO, 0)
-    counts["resumed_done"] = len(done)
-    return PromptSet(cfg, ray.put(done | worn.keys()), to_do), counts
+    index = start_index(cfg, layout, done, worn)
+    skip = ray.put(done | worn.keys())
+    if not done and not worn and cfg.routing.mode != "overflow":
+        return PromptSet(cfg, skip, rows_upper_bound(cfg)[TO_DO], estimated=True), index
+    return PromptSet(cfg, skip, index.counts()[TO_DO]), index
 
 
 def worn_out(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, str]]:
@@ -405,19 +428,23 @@ def spent_by_dataset(layout: RunLayout, source: str) -> dict[str, int]:
     return dict(spent)
 
 
-def generate(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunLayout, ledgers: dict[str, Any],
-             replayed: dict[str, dict[str, str]] | None = None, console: Console | None = None) -> Tally:
+def generate(cfg: RunConfig, prompts: list[dict[str, Any]] | PromptSet, layout: RunLayout, ledgers: dict[str, Any],
+             replayed: dict[str, dict[str, str]] | None = None, console: Console | None = None,
+             index: IndexPass | None = None) -> Tally:
     """Stream prompts through render -> routed sources -> validate -> shard writer, tallying what comes out.
 
     A prompt whose source fails it is handed to the next source the router names; when that source sits
     earlier in the chain the prompt comes back as ``reroute`` and is fed to one more pass. ``replayed``: fixed
     replay sets per source (tests); by default each source actor indexes the folder's response journals.
+    ``index``: the index pass, when the to-do count is still an estimate (``PromptSet.estimated``): the tally's
+    total becomes its count as soon as it ends.
     """
-    tally = Tally(len(prompts), audit_for(cfg.datasets))
+    estimated = isinstance(prompts, PromptSet) and prompts.estimated
+    tally = Tally(len(prompts), audit_for(cfg.datasets), estimated=estimated)
     if not prompts:
         return tally
     with (console or Console()).phase(generate_progress(tally, cfg, layout), announce=True):
-        _generate_passes(cfg, prompts, layout, ledgers, replayed, tally)
+        _generate_passes(cfg, prompts, layout, ledgers, replayed, tally, index if estimated else None)
     return tally
 
 
@@ -429,14 +456,16 @@ def generate_progress(tally: Tally, cfg: RunConfig, layout: RunLayout) -> Callab
         snap: GenerateSnapshot = replace(tally.snapshot, elapsed_s=time.perf_counter() - tally.t0)
         if not snap.done and not final:
             waited = f" ({duration(snap.elapsed_s)})" if snap.elapsed_s >= 1 else ""
-            return f"[generate] 0/{snap.total} done, starting {', '.join(s.name for s in cfg.sources)}{waited}"
+            total = f"~{snap.total}" if snap.estimated else snap.total
+            return f"[generate] 0/{total} done, starting {', '.join(s.name for s in cfg.sources)}{waited}"
         return generate_line(snap, read_spend(layout, spenders) if spenders else None, final=final)
 
     return render
 
 
-def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunLayout, ledgers: dict[str, Any],
-                     replayed: dict[str, dict[str, str]] | None, tally: Tally) -> None:
+def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]] | PromptSet, layout: RunLayout,
+                     ledgers: dict[str, Any], replayed: dict[str, dict[str, str]] | None, tally: Tally,
+                     index: IndexPass | None) -> None:
     import ray.data
 
     from pipeline.generate.router import build_router
@@ -476,6 +505,9 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
                         tally.duplicates += 1  # written once already (a re-executed batch): never counted twice
                     else:
                         tally.add(row)
+                if index is not None and index.ready():
+                    tally.counted(index.counts()[TO_DO])
+                    index = None
                 tally.progress()
         finally:
             release_placement_groups()  # TP > 1 engine actors' GPU bundles outlive the actors
@@ -486,6 +518,8 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]], layout: RunL
             break
     if todo:
         raise RuntimeError(f"{len(todo)} prompts still re-routed after {cfg.routing.max_hops + 2} passes")
+    if index is not None:  # the stream ended first (a small run): the final line has the count
+        tally.counted(index.counts()[TO_DO])
     tally.progress(final=True)
 
 

@@ -96,7 +96,7 @@ def _value(cfg: RunConfig, layout: RunLayout, opts: ValueOptions, console: Conso
     names = list(opts.datasets) or have
     if missing := sorted(set(names) - set(have)):
         raise ValueRefused(f"no passed samples of {', '.join(missing)} (datasets with samples: {', '.join(have)})")
-    init_ray(cfg)
+    init_ray(cfg, state_api=True)  # an extraction and trainings whatever the config's training says
     hidden = layout.hidden if HANDOFFS[cfg.extraction.mode].keeps_shards else layout.value_hidden
     target_cfg = read_target_config(cfg.model.path)
     aux_ids = ((load_index(hidden).get("meta") or {}).get("aux_layer_ids") or cfg.extraction.aux_layer_ids

@@ -158,9 +158,9 @@ def test_rerun_resumes_without_regenerating(tiny_run):
     from pipeline.run.job import finished_ids, read_prompts
 
     cfg, out, report = tiny_run
-    prompts, counts = read_prompts(cfg, RunLayout(out))
-    assert len(prompts) == 0  # a PromptSet: the count left to do, never the rows
-    assert counts["resumed_done"] == len(finished_ids(RunLayout(out))) == ROWS_IN
+    prompts, index = read_prompts(cfg, RunLayout(out))
+    assert len(prompts) == 0 and not prompts.estimated  # a PromptSet: the count left to do, never the rows
+    assert index.counts()["to_do"] == 0 and len(finished_ids(RunLayout(out))) == ROWS_IN
 
 
 def test_rerun_with_other_sampling_or_target_is_refused(tiny_run, tmp_path):

@@ -89,6 +89,13 @@ def test_header_lines():
     assert "  to do     34 prompts" in lines and lines[-1].startswith("  logs      /tmp/out/logs/")
     resumed = header_lines("c.yaml", [("chat", 20)], [], "/o", 12, 8, None)
     assert "  resume    12 rows already done, 8 to do" in resumed and not any("logs" in x for x in resumed)
+    fresh = header_lines("c.yaml", [("chat", 20)], [], "/o", 0, 20, None, estimated=True)
+    assert "  to do     at most 20 prompts (malformed rows are counted while generation starts)" in fresh
+
+
+def test_generate_line_marks_a_total_still_being_counted():
+    s = GenerateSnapshot(5, 20, 5, 0, 0, 100, 0.0, 10.0, estimated=True)
+    assert generate_line(s).startswith("[generate] 5/~20 done (5 passed")
 
 
 def test_the_header_says_what_trains_and_when_training_is_only_defaulted():

@@ -416,9 +416,32 @@ def test_read_prompts_holds_counts_not_rows(ray_session, run_cfg, tmp_path):
     layout.samples.mkdir(parents=True)
     first = load_dataset(run_cfg.datasets[0])[0][:2]
     pq.write_table(pa.table({"sample_id": [r["sample_id"] for r in first]}), layout.samples / "s.parquet")
-    prompts, counts = read_prompts(run_cfg, layout)
+    prompts, index = read_prompts(run_cfg, layout)
     to_do = sum(len(load_dataset(d)[0]) for d in run_cfg.datasets) - 2
-    assert isinstance(prompts, PromptSet) and len(prompts) == to_do
-    assert counts["resumed_done"] == 2 and counts["big.rows"] == 3000 and TO_DO not in counts
+    # a resume: the index pass was waited for, the count is exact
+    assert isinstance(prompts, PromptSet) and len(prompts) == to_do and not prompts.estimated
+    assert index.ready() and index.counts()["big.rows"] == 3000 and index.counts()[TO_DO] == to_do
     assert len(pickle.dumps(prompts)) < 20_000  # the config and an object ref; the rows are ~700 kB
     assert len(_blocks(prompts.dataset(16))) >= math.ceil(to_do / 16)
+
+
+def test_a_fresh_run_reads_while_the_index_pass_counts(ray_session, run_cfg):
+    """Nothing finished: the run does not wait for the index pass. Its to-do count is the files' row count
+    (malformed rows included: the upper bound), the read yields exactly the good rows, and the pass's own
+    count and quarantine, when waited for, are those of a run that waited."""
+    from pipeline.run.job import read_prompts
+
+    layout = RunLayout(run_cfg.output_dir)
+    good = {d.name: load_dataset(d)[0] for d in run_cfg.datasets}
+    bad = sum(len(load_dataset(d)[1]) for d in run_cfg.datasets)
+    prompts, index = read_prompts(run_cfg, layout)
+    assert prompts.estimated and len(prompts) == sum(count_rows(d) for d in run_cfg.datasets)
+    assert len(prompts) == sum(map(len, good.values())) + bad and bad > 0
+    rows = [r for b in _blocks(prompts.dataset(8)) for r in b.to_pylist()]
+    assert sorted(r["sample_id"] for r in rows) == sorted(r["sample_id"] for g in good.values() for r in g)
+    counts = index.counts()
+    assert counts[TO_DO] == sum(map(len, good.values())) and index.ready()
+    written = [r for f in sorted(layout.quarantine.glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert _by_id(written) == _by_id(_old_quarantine(run_cfg.datasets, set(), {}))
+    # a re-route pass's set is exact (its ids are named)
+    assert not prompts.restrict({rows[0]["sample_id"]}).estimated
