@@ -80,13 +80,13 @@ def bench_model(name: str, model_dir: str, args, work: Path) -> dict:
     seqs = [r["prompt_ids"] + r["output_ids"] for r in rows]
     groups = token_batches([len(s) for s in seqs], args.batch_tokens)
     tokens = sum(map(len, seqs))
-    bare_forward(actor.model, seqs, groups)  # untimed warm-up of both paths (allocator, kernels)
+    bare_forward(actor.capture_fn.model, seqs, groups)  # untimed warm-up of both paths (allocator, kernels)
     actor(batch)
     bare_s, extract_s = [], []
     table = None
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        bare_forward(actor.model, seqs, groups)
+        bare_forward(actor.capture_fn.model, seqs, groups)
         bare_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         table = actor(batch)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import import_module
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -189,12 +191,43 @@ class SourceConfigBase(Strict):
         return None
 
 
+@dataclass(frozen=True)
+class ExtractionBackend:
+    """One extraction backend: what the floors that must not import it ask of it (the config's checks, the
+    sizing check, the actor's placement), and, by name, the function that builds its capture in the actor."""
+
+    name: str
+    # an engine: TP > 1 runs as the engine's Ray workers in the actor's placement group, and the actor gets the
+    # engine actors' runtime env so it stops the engine itself when retired (chain.ENGINE_ACTOR_ENV)
+    holds_engine: bool
+    capture: str  # "module:function" (pipeline.hidden.extract), imported only in the extraction actor
+
+    def gpus(self, ex: ExtractionConfig) -> tuple[float, str]:
+        """(GPUs the weights are spread over, why) for an ``extraction:`` block of this backend."""
+        if self.holds_engine:
+            return float(ex.tensor_parallel_size), f"backend {self.name} shards it over tensor_parallel_size " \
+                                                   f"{ex.tensor_parallel_size}"
+        if ex.device_map:
+            return float(ex.num_gpus), f"backend {self.name} with device_map {ex.device_map!r} spreads it over num_gpus"
+        return min(float(ex.num_gpus), 1.0), f"backend {self.name} without device_map puts the whole model on one GPU"
+
+    def build_capture(self) -> Any:
+        module, name = self.capture.split(":")
+        return getattr(import_module(module), name)
+
+
+EXTRACTION_BACKENDS = {b.name: b for b in (
+    ExtractionBackend("transformers", holds_engine=False, capture="pipeline.hidden.extract:transformers_capture"),
+    ExtractionBackend("vllm", holds_engine=True, capture="pipeline.hidden.extract:vllm_capture"),
+)}
+
+
 class ExtractionConfig(Strict):
     """Hidden-state capture; ``mode: stream`` feeds training directly, ``shards`` stages Arrow shards on disk."""
 
     aux_layer_ids: list[int] | None = None  # default [2, L//2, L-3]; vLLM convention (input of layer i)
     mode: Literal["stream", "shards"] = "stream"
-    backend: Literal["transformers", "vllm"] = "transformers"
+    backend: Literal["transformers", "vllm"] = "transformers"  # an EXTRACTION_BACKENDS name (a test holds them equal)
     dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
     device_map: str | None = None  # e.g. "auto" for a target that spans several GPUs
     vllm: dict[str, Any] = Field(default_factory=dict)  # engine options for backend vllm
@@ -225,8 +258,9 @@ class ExtractionConfig(Strict):
         if "tensor_parallel_size" in self.vllm:
             raise ValueError("set extraction.tensor_parallel_size (it also sizes the actor's placement group), "
                              "not extraction.vllm.tensor_parallel_size")
-        if self.tensor_parallel_size > 1 and self.backend != "vllm":
-            raise ValueError(f"extraction.tensor_parallel_size {self.tensor_parallel_size} needs backend vllm "
+        if self.tensor_parallel_size > 1 and not self.backend_facts.holds_engine:
+            engines = " or ".join(b.name for b in EXTRACTION_BACKENDS.values() if b.holds_engine)
+            raise ValueError(f"extraction.tensor_parallel_size {self.tensor_parallel_size} needs backend {engines} "
                              f"(backend {self.backend} spreads a model with device_map: auto instead)")
         if self.tensor_parallel_size > 1 and self.num_gpus <= 0:
             raise ValueError(f"extraction.tensor_parallel_size {self.tensor_parallel_size} needs num_gpus > 0")
@@ -235,6 +269,10 @@ class ExtractionConfig(Strict):
                              "GPUs, so the full-vocab argmax would run on the actor's CPU; leave target_ids unset "
                              "(the training workers compute it)")
         return self
+
+    @property
+    def backend_facts(self) -> ExtractionBackend:
+        return EXTRACTION_BACKENDS[self.backend]
 
     @property
     def stores_target_ids(self) -> bool:

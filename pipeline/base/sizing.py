@@ -58,12 +58,7 @@ def target_weights_gb(model: Any) -> tuple[float, str] | None:
 
 def extraction_gpus(ex: Any) -> tuple[float, str]:
     """(GPUs the extraction engine spreads the weights over, why) for an ``extraction:`` block."""
-    if ex.backend == "vllm":
-        tp = ex.tensor_parallel_size
-        return float(tp), f"backend vllm shards it over tensor_parallel_size {tp}"
-    if ex.device_map:
-        return float(ex.num_gpus), f"backend transformers with device_map {ex.device_map!r} spreads it over num_gpus"
-    return min(float(ex.num_gpus), 1.0), "backend transformers without device_map puts the whole model on one GPU"
+    return ex.backend_facts.gpus(ex)
 
 
 def _gpus(n: float) -> str:

@@ -521,21 +521,16 @@ class HiddenStateExtractor:
         self.quarantine_dir = layout.quarantine
         self.stats_path = Path(stats_dir or layout.extract_stats) / \
             f"extract-{socket.gethostname()}-{os.getpid()}.json"
+        from pipeline.base.config import EXTRACTION_BACKENDS
+
+        if backend not in EXTRACTION_BACKENDS:
+            raise ValueError(f"unknown extraction backend {backend!r} (known: {', '.join(EXTRACTION_BACKENDS)})")
         self.backend, self.target_ids = backend, target_ids
-        if backend == "transformers":
-            self.model, self.device, dtype = load_target(model_dir, device, dtype, device_map)
-            lm_head = self.model.get_output_embeddings().weight.detach() if target_ids else None
-            if lm_head is not None and lm_head.device.type == "meta":  # offloaded by a device_map
-                raise ValueError("extraction.target_ids needs the target's lm_head in memory, but the device_map "
-                                 "offloaded it: set extraction.target_ids false (training then computes the ids)")
-            self.capture_fn: CaptureFn = lambda seqs, groups: capture_groups(self.model, seqs, groups,
-                                                                             self.aux_layer_ids, lm_head)
-        elif backend == "vllm":
-            engine = VLLMStateCapture(model_dir, self.aux_layer_ids, max_len, dtype=dtype, target_ids=target_ids,
-                                      **(vllm_options or {}))
-            self.device, dtype, self.capture_fn = engine.device, engine.dtype, engine
-        else:
-            raise ValueError(f"unknown extraction backend {backend!r}")
+        build = EXTRACTION_BACKENDS[backend].build_capture()
+        self.capture_fn: CaptureFn
+        self.capture_fn, self.device, dtype = build(model_dir, self.aux_layer_ids, max_len, dtype=dtype, device=device,
+                                                    device_map=device_map, target_ids=target_ids,
+                                                    vllm_options=vllm_options)
         self.meta = capture_metadata(self.aux_layer_ids, self.hidden, out_dtype) | {"capture_dtype": dtype}
         self.counters = ExtractCounters()
 
@@ -562,6 +557,44 @@ class HiddenStateExtractor:
         self.quarantine_dir.mkdir(parents=True, exist_ok=True)
         path = self.quarantine_dir / shard_name([b["sample_id"] for b in q])
         atomic_write_table(rows_to_table(q, QUARANTINE_SCHEMA), path)
+
+
+# ----------------------------------------------------------------------------- the backends' captures
+# (EXTRACTION_BACKENDS in pipeline.base.config names them; each returns the capture, its device and dtype)
+
+
+@dataclass
+class HookCapture:
+    """The transformers backend's capture: forward hooks on the loaded model (``capture_groups``)."""
+
+    model: Any
+    aux_layer_ids: list[int]
+    lm_head: Any  # the output embeddings for the argmax ids, or None
+
+    def __call__(self, seqs: list[list[int]], groups: list[list[int]]) -> Any:
+        return capture_groups(self.model, seqs, groups, self.aux_layer_ids, self.lm_head)
+
+
+def transformers_capture(model_dir: str, aux_layer_ids: list[int], max_len: int, *, dtype: str, device: str | None,
+                         device_map: str | None, target_ids: bool, vllm_options: dict[str, Any] | None = None
+                         ) -> tuple[CaptureFn, str, str]:
+    """Forward hooks on the transformers model (GPU or CPU); ``max_len`` and ``vllm_options`` are the engine's."""
+    model, device, dtype = load_target(model_dir, device, dtype, device_map)
+    lm_head = model.get_output_embeddings().weight.detach() if target_ids else None
+    if lm_head is not None and lm_head.device.type == "meta":  # offloaded by a device_map
+        raise ValueError("extraction.target_ids needs the target's lm_head in memory, but the device_map "
+                         "offloaded it: set extraction.target_ids false (training then computes the ids)")
+    return HookCapture(model, aux_layer_ids, lm_head), device, dtype
+
+
+def vllm_capture(model_dir: str, aux_layer_ids: list[int], max_len: int, *, dtype: str, device: str | None,
+                 device_map: str | None, target_ids: bool, vllm_options: dict[str, Any] | None = None
+                 ) -> tuple[CaptureFn, str, str]:
+    """The vLLM engine's ``extract_hidden_states`` (``VLLMStateCapture``); the engine places itself, so
+    ``device`` and ``device_map`` are the transformers backend's."""
+    engine = VLLMStateCapture(model_dir, aux_layer_ids, max_len, dtype=dtype, target_ids=target_ids,
+                              **(vllm_options or {}))
+    return engine, engine.device, engine.dtype
 
 
 # ----------------------------------------------------------------------------- vLLM backend

@@ -187,7 +187,7 @@ def extraction_resources(ex: ExtractionConfig) -> dict[str, Any]:
     else:
         resources = {"num_cpus": ex.num_cpus, "num_gpus": ex.num_gpus,
                      **({"resources": dict(ex.resources)} if ex.resources else {})}
-    return resources | ({"runtime_env": ENGINE_ACTOR_ENV} if ex.backend == "vllm" else {})
+    return resources | ({"runtime_env": ENGINE_ACTOR_ENV} if ex.backend_facts.holds_engine else {})
 
 
 @contextmanager

@@ -329,13 +329,13 @@ def test_extractor_actor_rows_quarantine_and_stats(tiny_target, tmp_path):
     table = actor(batch)
     assert table.column("sample_id").to_pylist() == ["s0", "s1", "s3"]  # longest first within a call
     got = {r["sample_id"]: r for r in table.to_pylist()}
-    aux, final = capture(actor.model, [rows[0]["prompt_ids"] + rows[0]["output_ids"]], AUX)[0]
+    aux, final = capture(actor.capture_fn.model, [rows[0]["prompt_ids"] + rows[0]["output_ids"]], AUX)[0]
     np.testing.assert_allclose(np.asarray(got["s0"]["aux_hidden"]), aux, rtol=1e-5, atol=1e-5)
     assert np.asarray(got["s0"]["loss_mask"]).tolist() == [0, 0] + [1] * 28
     # the target's own greedy choice at every position, from its full forward (logits included)
     seq = rows[0]["prompt_ids"] + rows[0]["output_ids"]
     with torch.no_grad():
-        logits = actor.model(torch.tensor([seq])).logits[0]
+        logits = actor.capture_fn.model(torch.tensor([seq])).logits[0]
     assert np.asarray(got["s0"]["target_ids"]).tolist() == logits.argmax(-1).tolist()
     quarantined = pq.read_table(tmp_path / "quarantine").to_pylist()
     assert [(q["sample_id"], q["stage"]) for q in quarantined] == [("s2", "extract")]

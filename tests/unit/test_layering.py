@@ -136,6 +136,29 @@ def test_no_branching_on_the_hand_off_mode_outside_its_classes():
     assert offenders == []
 
 
+def test_no_branching_on_the_extraction_backend_outside_its_table():
+    """What differs between extraction backends is an ``EXTRACTION_BACKENDS`` entry's answer (pipeline.base.config:
+    ``holds_engine``, ``gpus``, the capture it builds); the config's schema lists the same names."""
+    import typing
+
+    from pipeline.base.config import EXTRACTION_BACKENDS, ExtractionConfig
+
+    assert set(typing.get_args(ExtractionConfig.model_fields["backend"].annotation)) == set(EXTRACTION_BACKENDS)
+    for b in EXTRACTION_BACKENDS.values():
+        assert callable(b.build_capture())
+    offenders = []
+    for name, path in project_modules().items():
+        if name == "pipeline.base.config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+            if any((isinstance(o, ast.Attribute) and o.attr == "backend") or (isinstance(o, ast.Name) and o.id ==
+                   "backend") for o in operands) and any(isinstance(o, ast.Constant) and o.value in EXTRACTION_BACKENDS
+                                                        for o in operands):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert offenders == []
+
+
 def test_each_source_kind_is_self_contained_and_the_config_union_comes_from_the_registry():
     """A kind's schema sits beside its adapter (the same package) and every schema of the ``sources:`` union is
     a registry entry's, so a new kind is one module and one line in ``KIND_MODULES``."""
