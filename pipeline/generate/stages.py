@@ -80,6 +80,7 @@ class ValidateSamples:
     def __init__(self, profile: str, model_dir: str | None, checks: dict[str, dict[str, Any]],
                  closes_chain: bool = False) -> None:
         self.profile = load_profile(profile, model_dir)
+        self.profile.warm()  # the round trip's plain encoder, here rather than on the first batch
         self.checks = {name: ChecksConfig.model_validate(c) for name, c in checks.items()}
         self.closes_chain = closes_chain
 

@@ -463,3 +463,17 @@ def test_a_kimi_folder_without_its_rank_file_is_refused(tmp_path: Path) -> None:
     folder = _kimi_folder(tmp_path, None)
     (folder / "tiktoken.model").unlink()
     assert "tiktoken.model: no such file" in (check_model_folder("kimi-k2.5", str(folder)) or "")
+
+
+@pytest.mark.parametrize("name", PROFILE_NAMES)
+def test_warm_builds_the_plain_encoder_and_changes_no_ids(name: str) -> None:
+    """A stage actor warms its profile in its constructor: afterwards nothing is left to build on the first batch,
+    and a special-token string asked to stay text still encodes as text."""
+    profile = load_profile(name, None)
+    profile.warm()
+    if hasattr(profile.tokenizer, "_plain"):  # the HF tokenizers build it on first use
+        assert profile.tokenizer._plain is not None
+    special = next(iter(profile.tokenizer.added_tokens()))
+    text = f"12 + 30 = 42 {special} done"
+    as_text = profile.encode(text, specials=())
+    assert profile.decode(as_text) == text and as_text != profile.encode(text)

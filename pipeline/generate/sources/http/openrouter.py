@@ -109,9 +109,7 @@ class OpenRouterGenerator:
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             sampling = SamplingConfig.model_validate(sampling)
         self.profile = load_profile(profile_name, model_dir)
-        warm = getattr(self.profile.tokenizer, "encode_ordinary", None)
-        if warm is not None:  # built lazily otherwise: a half-second stall of the event loop at the first answer
-            warm("warm up")
+        self.profile.warm()  # built lazily otherwise: a half-second stall of the event loop at the first answer
         name = source_name or self.cfg.name
         holder = f"{_actor_id()}:{uuid.uuid4().hex[:12]}"  # whose reservations: this engine in this actor
         # One journal file per actor (one writer per file); none outside a run folder (tests, benches).
