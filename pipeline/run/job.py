@@ -137,6 +137,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
         unsubscribe()
     timings.add("generate", t0)
     counts = index.counts()  # waited for: its quarantine rows are on disk before the summary reads them
+    counts.pop(TO_DO, None)
     counts["resumed_done"] = len(done)
     project_journals(cfg, layout)
 
