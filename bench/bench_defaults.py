@@ -44,6 +44,8 @@ VARIANTS: dict[str, dict] = {
     "ttt=7": {"ttt_steps": 7},
     "vocab=64": {"draft_vocab_size": 64},
     "vocab=1024": {"draft_vocab_size": 1024},
+    "precision=fp32": {"precision": "fp32"},
+    "precision=bf16": {"precision": "bf16"},
 }
 TRAIN, HELD = "shop_train", "shop_held"
 

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # vLLM's names (llama_eagle3.py reads them from the drafter's config.json); see training/model.py
 ARCHITECTURE_FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
 LossName = Literal["ce", "tv", "lk_alpha", "lk_lambda"]
+Precision = Literal["auto", "bf16", "fp32"]
 
 
 class DraftTrainConfig(BaseModel):
@@ -65,6 +66,11 @@ class DraftTrainConfig(BaseModel):
     init_from_target: bool = Field(
         True, description="start lm_head/norm from the target's head rows of the draft vocab"
     )
+    precision: Precision = Field(
+        "auto", description="the drafter's forward and backward: `bf16` autocast (weights, optimizer, teacher "
+        "logits and loss stay float32), as EAGLE-3 trainers run on GPUs; `fp32` throughout; `auto` is bf16 on a "
+        "GPU and on a CPU with native bf16 arithmetic (AVX-512 BF16 or AMX: ~1.3x the fp32 step on this "
+        "project's CPU bench), fp32 on other CPUs. Decided on each training worker, for its own device")
     num_workers: int = Field(1, ge=1)
     use_gpu: bool = False
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})

@@ -74,6 +74,16 @@ def load_vocab(path: Path) -> VocabMapping:
     return VocabMapping(d2t=t["d2t"], t2d=t["t2d"])
 
 
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """Whether training on ``device`` autocasts to bf16 (``DraftTrainConfig.precision``). ``auto`` asks for
+    native bf16 arithmetic: a CPU without it emulates bf16 and runs slower than fp32."""
+    if precision != "auto":
+        return precision == "bf16"
+    if device.type == "cpu":
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return device.type == "cuda"
+
+
 def prepare_drafter(cfg: DraftTrainConfig, target: TargetParts, vocab: VocabMapping) -> Eagle3Drafter:
     """Seeded drafter with the target's embeddings, the vocab mapping and (optionally) the
     target's final norm and lm_head rows of the draft vocab as the initial head."""
@@ -248,7 +258,8 @@ def train_loop(
     targets = TargetIdsCache(target.lm_head, device)
     stream = batch_stream(rows_fn, cfg, targets, state, rank,
                           all_reduce_count(device) if world_size > 1 else int)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    bf16 = uses_bf16(cfg.precision, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     metrics: dict = {}
     objective.train()
     while state.step < cfg.steps:
@@ -272,6 +283,7 @@ def train_loop(
         metrics = _step_metrics(state.step, out, scheduler.get_last_lr()[0], grad_norm,
                                 batch.num_tokens if weight else 0, time.perf_counter() - t_data, epoch)
         metrics["data_s"] = t0 - t_data
+        metrics["bf16"] = float(bf16)  # a number: every tracker takes scalars only
         if world_size > 1:
             metrics["active_ranks"] = n_active  # below world_size: the tail of an epoch on uneven shards
         # low fill: raise max_len so samples share rows

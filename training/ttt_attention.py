@@ -8,10 +8,11 @@ every chain in parallel, so step k's query at index t attends to:
 The cache keeps one (K, V) pair per step; the diagonal keys need only a dot product per index, so
 memory stays O(L^2 + k*L) instead of O(k*L^2) for an explicit (k+1)L-wide mask.
 
-A packed row holds many short documents, and no query sees a key further back than the longest
-document. So queries are taken in chunks of that span S, each against the 2S-1 keys it can reach:
-O(L*S) work instead of O(L^2) (a 2,048-token row of ~150-token samples: ~6x fewer scores). Keys
-outside the window are masked in the dense form anyway, so the result is the same.
+A packed row holds many short documents, and no query sees a key before its document's start. So the
+rows are cut into segments of whole documents, each at most S wide (S: the longest document), and each
+segment attends within itself only: sum of w^2 scores instead of L^2 (a 2,048-token row of ~150-token
+samples: ~9x fewer), and ~2.5x fewer than chunks of S queries against the 2S-1 keys before them. Keys
+outside a segment are masked in the dense form anyway, so the result is the same.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class StepKVCache:
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     span: int | None = None  # longest reach of a query into earlier keys (set on the first step)
+    segments: list[tuple[int, int, int]] | None = None  # (row, start, end) of each segment (``segments``)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.keys.append(k)
@@ -55,6 +57,25 @@ def attention_span(mask0: torch.Tensor) -> int:
     return int((torch.arange(length, device=mask0.device) - first).max()) + 1
 
 
+def segments(mask0: torch.Tensor, width: int) -> list[tuple[int, int, int]]:
+    """(row, start, end) cuts of each row of a (B, 1, L, L) step-0 mask into runs of whole documents (a
+    cut where a query sees no key before itself), each at most ``width`` wide unless one document is
+    wider: no query of a segment sees a key outside it."""
+    b, length = mask0.shape[0], mask0.shape[-1]
+    first = mask0[:, 0].to(torch.uint8).argmax(-1)  # (B, L): first visible key per query
+    starts = first == torch.arange(length, device=mask0.device)
+    out = []
+    for row in range(b):
+        cuts = [*starts[row].nonzero().flatten().tolist(), length]
+        a = 0
+        for prev, cut in zip(cuts, cuts[1:], strict=False):
+            if cut - a > width and prev > a:  # the document that ends at `cut` would overfill: close before it
+                out.append((row, a, prev))
+                a = prev
+        out.append((row, a, length))
+    return out
+
+
 def cached_step_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -66,28 +87,31 @@ def cached_step_attention(
 
     Scores against step-0 keys use `mask0`; each later step contributes one score per index
     (its key at the same index). A joint softmax over both parts keeps this exactly equal to
-    attention over all (k+1)L keys with the TTT mask. Long rows are done in span-sized chunks."""
+    attention over all (k+1)L keys with the TTT mask. Rows of several documents are done per segment."""
     cache.append(k, v)
     if cache.span is None:
         cache.span = attention_span(mask0)
-    length, span = q.shape[-2], cache.span
-    if 2 * span >= length:
-        return _attend(q, cache, mask0, 0, length, 0)
-    chunks = [_attend(q, cache, mask0, a, min(a + span, length), max(0, a - span + 1))
-              for a in range(0, length, span)]
-    return torch.cat(chunks, dim=-2)
+        length = mask0.shape[-1]
+        cache.segments = None if 2 * cache.span >= length else segments(mask0, cache.span)
+    if cache.segments is None:
+        return _attend(q, cache, mask0, slice(None), 0, q.shape[-2])
+    by_row = [torch.cat([_attend(q, cache, mask0, row, a, b) for r, a, b in cache.segments if r == row], dim=-2)
+              for row in range(q.shape[0])]
+    return torch.stack(by_row)
 
 
-def _attend(q: torch.Tensor, cache: StepKVCache, mask0: torch.Tensor, a: int, b: int, lo: int) -> torch.Tensor:
-    """Queries [a, b) against step-0 keys [lo, b) and their own later-step keys."""
-    qc = q[..., a:b, :]
+def _attend(q: torch.Tensor, cache: StepKVCache, mask0: torch.Tensor, row: int | slice, a: int, b: int
+            ) -> torch.Tensor:
+    """Queries [a, b) of ``row`` (one index, or every row) against step-0 keys [a, b) and their own
+    later-step keys."""
+    qc = q[row, ..., a:b, :]
     scale = q.shape[-1] ** -0.5
-    scores0 = (qc @ cache.keys[0][..., lo:b, :].transpose(-1, -2)) * scale
-    scores0 = scores0.masked_fill(~mask0[..., a:b, lo:b], torch.finfo(scores0.dtype).min)
-    diag = [(qc * kj[..., a:b, :]).sum(-1, keepdim=True) * scale for kj in cache.keys[1:]]
+    scores0 = (qc @ cache.keys[0][row, ..., a:b, :].transpose(-1, -2)) * scale
+    scores0 = scores0.masked_fill(~mask0[row, ..., a:b, a:b], torch.finfo(scores0.dtype).min)
+    diag = [(qc * kj[row, ..., a:b, :]).sum(-1, keepdim=True) * scale for kj in cache.keys[1:]]
     probs = torch.softmax(torch.cat([scores0, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-    width = b - lo
-    out = probs[..., :width] @ cache.values[0][..., lo:b, :]
+    width = b - a
+    out = probs[..., :width] @ cache.values[0][row, ..., a:b, :]
     for j, vj in enumerate(cache.values[1:]):
-        out = out + probs[..., width + j : width + j + 1] * vj[..., a:b, :]
+        out = out + probs[..., width + j : width + j + 1] * vj[row, ..., a:b, :]
     return out

@@ -240,7 +240,8 @@ def format_report(r: dict[str, Any], out: Path) -> str:
     if m:
         accs = " ".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("acc_"))
         lines.append(f"  training     step {m.get('step')} loss {m.get('loss', float('nan')):.3f} "
-                     f"acc/position [{accs}] {m.get('tokens_per_s', 0):.0f} tok/s")
+                     f"acc/position [{accs}] {m.get('tokens_per_s', 0):.0f} tok/s"
+                     f"{', bf16 autocast' if m.get('bf16') else ''}")
     if t.get("export_dir"):
         lines.append(f"  drafter      {t['export_dir']}")
     h = t.get("heldout") or {}

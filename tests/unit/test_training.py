@@ -440,3 +440,35 @@ def test_stored_target_ids_spare_the_worker_its_lm_head_pass(tiny_rows, target_p
         assert b.target_ids.dtype == np.int64
     with pytest.raises(ValueError, match="5 target_ids for"):
         to_sample({**stored[0], "target_ids": stored[0]["target_ids"][:5]}, 512)
+
+
+def test_segments_are_whole_documents_within_the_width():
+    """Rows cut at document starts only; documents share a segment while it stays within the width."""
+    from training.ttt_attention import segments
+
+    docs = torch.tensor([[0] * 3 + [1] * 2 + [2] * 4 + [3] * 1 + [-1] * 2,
+                         [0] * 12])
+    cuts = segments(step0_mask(docs), width=5)
+    assert cuts == [(0, 0, 5), (0, 5, 10), (0, 10, 12), (1, 0, 12)]  # a lone wider document stays whole
+
+
+def test_precision_decides_the_autocast_per_device(tmp_path, tiny_target, target_parts, tiny_rows):
+    """`auto` is bf16 where the device computes it natively; the step's record says which one ran, and a bf16
+    step trains the same fp32 weights (no weight is left in bf16)."""
+    from training.train import uses_bf16
+
+    native = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    cpu = torch.device("cpu")
+    assert uses_bf16("auto", cpu) is native
+    assert uses_bf16("bf16", cpu) and not uses_bf16("fp32", cpu)
+    assert uses_bf16("auto", torch.device("cuda", 0))
+    vocab = build_vocab_mapping(tiny_rows, target_parts.vocab_size, small_cfg().draft_vocab_size)
+    finals = {}
+    for precision in ("fp32", "bf16"):
+        cfg = small_cfg().model_copy(update={"precision": precision, "steps": 3})
+        drafter, metrics = train_loop(cfg, tiny_target, tmp_path / precision, lambda e: tiny_rows, vocab)
+        assert metrics["bf16"] == float(precision == "bf16")
+        assert all(v.dtype == torch.float32 for v in drafter.trainable_state_dict().values() if v.is_floating_point())
+        finals[precision] = metrics["loss"]
+    # the same batches and start: bf16 rounding moves the loss a little, not a lot
+    assert finals["bf16"] == pytest.approx(finals["fp32"], rel=0.05)
