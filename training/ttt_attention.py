@@ -50,19 +50,24 @@ def step0_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return ((same_doc & causal) | eye)[:, None]
 
 
-def attention_span(mask0: torch.Tensor) -> int:
-    """1 + the largest distance from a query back to a key it may see, over a (B, 1, L, L) step-0 mask."""
-    length = mask0.shape[-1]
-    first = mask0.to(torch.uint8).argmax(-1)  # first visible key per query (every row sees itself)
-    return int((torch.arange(length, device=mask0.device) - first).max()) + 1
+def first_visible(mask0: torch.Tensor) -> torch.Tensor:
+    """(B, L): the first key each query of a (B, 1, L, L) step-0 mask sees (every row sees itself)."""
+    return mask0[:, 0].to(torch.uint8).argmax(-1)
 
 
-def segments(mask0: torch.Tensor, width: int) -> list[tuple[int, int, int]]:
+def attention_span(mask0: torch.Tensor, first: torch.Tensor | None = None) -> int:
+    """1 + the largest distance from a query back to a key it may see, over a (B, 1, L, L) step-0 mask
+    (``first``: its ``first_visible``, when already computed)."""
+    first = first_visible(mask0) if first is None else first
+    return int((torch.arange(mask0.shape[-1], device=mask0.device) - first).max()) + 1
+
+
+def segments(mask0: torch.Tensor, width: int, first: torch.Tensor | None = None) -> list[tuple[int, int, int]]:
     """(row, start, end) cuts of each row of a (B, 1, L, L) step-0 mask into runs of whole documents (a
     cut where a query sees no key before itself), each at most ``width`` wide unless one document is
-    wider: no query of a segment sees a key outside it."""
+    wider: no query of a segment sees a key outside it. ``first``: the mask's ``first_visible``."""
     b, length = mask0.shape[0], mask0.shape[-1]
-    first = mask0[:, 0].to(torch.uint8).argmax(-1)  # (B, L): first visible key per query
+    first = first_visible(mask0) if first is None else first
     starts = first == torch.arange(length, device=mask0.device)
     out = []
     for row in range(b):
@@ -89,10 +94,10 @@ def cached_step_attention(
     (its key at the same index). A joint softmax over both parts keeps this exactly equal to
     attention over all (k+1)L keys with the TTT mask. Rows of several documents are done per segment."""
     cache.append(k, v)
-    if cache.span is None:
-        cache.span = attention_span(mask0)
-        length = mask0.shape[-1]
-        cache.segments = None if 2 * cache.span >= length else segments(mask0, cache.span)
+    if cache.span is None:  # the first step: the row's layout, once per batch
+        first = first_visible(mask0)
+        cache.span = attention_span(mask0, first)
+        cache.segments = None if 2 * cache.span >= mask0.shape[-1] else segments(mask0, cache.span, first)
     if cache.segments is None:
         return _attend(q, cache, mask0, slice(None), 0, q.shape[-2])
     by_row = [torch.cat([_attend(q, cache, mask0, row, a, b) for r, a, b in cache.segments if r == row], dim=-2)
