@@ -13,6 +13,11 @@ rows are cut into segments of whole documents, each at most S wide (S: the longe
 segment attends within itself only: sum of w^2 scores instead of L^2 (a 2,048-token row of ~150-token
 samples: ~9x fewer), and ~2.5x fewer than chunks of S queries against the 2S-1 keys before them. Keys
 outside a segment are masked in the dense form anyway, so the result is the same.
+
+Steps after the first need only the indices some later step trains (``StepKVCache.compact``): a prompt
+index's chain is never scored past its first draft, and its step-0 key is all later steps read of it.
+Those steps run on a compact (1, N) layout of just these indices; each query still attends its own
+segment's step-0 keys and its own diagonal, so values and gradients at the kept indices are unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +35,18 @@ class StepKVCache:
     values: list[torch.Tensor] = field(default_factory=list)
     span: int | None = None  # longest reach of a query into earlier keys (set on the first step)
     segments: list[tuple[int, int, int]] | None = None  # (row, start, end) of each segment (``segments``)
+    queries: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, cols) of later steps' compact queries
+    ranges: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (row, a, b, ca, cb) per segment
+
+    def compact(self, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]) -> None:
+        """Run the steps after the first on the (1, N) layout of indices (rows, cols), sorted row-major,
+        of a (B, L) batch: each segment's queries are the contiguous run [ca, cb) of that layout."""
+        batch, length = shape
+        segs = self.segments or [(r, 0, length) for r in range(batch)]
+        edges = torch.tensor([[r * length + a, r * length + b] for r, a, b in segs], device=rows.device)
+        bounds = torch.searchsorted(rows * length + cols, edges).tolist()
+        self.queries = (rows, cols)
+        self.ranges = [(r, a, b, ca, cb) for (r, a, b), (ca, cb) in zip(segs, bounds, strict=True) if cb > ca]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.keys.append(k)
@@ -92,12 +109,15 @@ def cached_step_attention(
 
     Scores against step-0 keys use `mask0`; each later step contributes one score per index
     (its key at the same index). A joint softmax over both parts keeps this exactly equal to
-    attention over all (k+1)L keys with the TTT mask. Rows of several documents are done per segment."""
+    attention over all (k+1)L keys with the TTT mask. Rows of several documents are done per segment.
+    After ``cache.compact``, the steps after the first take q, k, v on its (1, h, N, d) layout."""
     cache.append(k, v)
     if cache.span is None:  # the first step: the row's layout, once per batch
         first = first_visible(mask0)
         cache.span = attention_span(mask0, first)
         cache.segments = None if 2 * cache.span >= mask0.shape[-1] else segments(mask0, cache.span, first)
+    if len(cache) > 1 and cache.queries is not None:
+        return _attend_compact(q, cache, mask0)
     if cache.segments is None:
         return _attend(q, cache, mask0, slice(None), 0, q.shape[-2])
     by_row = [torch.cat([_attend(q, cache, mask0, row, a, b) for r, a, b in cache.segments if r == row], dim=-2)
@@ -109,14 +129,33 @@ def _attend(q: torch.Tensor, cache: StepKVCache, mask0: torch.Tensor, row: int |
             ) -> torch.Tensor:
     """Queries [a, b) of ``row`` (one index, or every row) against step-0 keys [a, b) and their own
     later-step keys."""
-    qc = q[row, ..., a:b, :]
+    return _joint_softmax(q[row, ..., a:b, :], cache.keys[0][row, ..., a:b, :], cache.values[0][row, ..., a:b, :],
+                          mask0[row, ..., a:b, a:b], [kv[row, ..., a:b, :] for kv in cache.keys[1:]],
+                          [kv[row, ..., a:b, :] for kv in cache.values[1:]])
+
+
+def _attend_compact(q: torch.Tensor, cache: StepKVCache, mask0: torch.Tensor) -> torch.Tensor:
+    """Compact queries (1, h, N, d), segment by segment, against their segment's step-0 keys and their own
+    later-step keys (stored on the same compact layout)."""
+    cols = cache.queries[1]
+    outs = [_joint_softmax(q[0, :, ca:cb], cache.keys[0][r, :, a:b], cache.values[0][r, :, a:b],
+                           mask0[r, 0, cols[ca:cb], a:b], [kv[0, :, ca:cb] for kv in cache.keys[1:]],
+                           [kv[0, :, ca:cb] for kv in cache.values[1:]])
+            for r, a, b, ca, cb in cache.ranges]
+    return torch.cat(outs, dim=-2)[None] if outs else q.new_zeros(q.shape)
+
+
+def _joint_softmax(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask: torch.Tensor,
+                   diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
+    """Queries (..., n, d) against step-0 keys (..., w, d) under ``mask`` (n, w broadcastable) and one
+    diagonal key per later step (..., n, d), in one softmax."""
     scale = q.shape[-1] ** -0.5
-    scores0 = (qc @ cache.keys[0][row, ..., a:b, :].transpose(-1, -2)) * scale
-    scores0 = scores0.masked_fill(~mask0[row, ..., a:b, a:b], torch.finfo(scores0.dtype).min)
-    diag = [(qc * kj[row, ..., a:b, :]).sum(-1, keepdim=True) * scale for kj in cache.keys[1:]]
+    scores0 = (q @ k0.transpose(-1, -2)) * scale
+    scores0 = scores0.masked_fill(~mask, torch.finfo(scores0.dtype).min)
+    diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in diag_k]
     probs = torch.softmax(torch.cat([scores0, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-    width = b - a
-    out = probs[..., :width] @ cache.values[0][row, ..., a:b, :]
-    for j, vj in enumerate(cache.values[1:]):
-        out = out + probs[..., width + j : width + j + 1] * vj[row, ..., a:b, :]
+    width = k0.shape[-2]
+    out = probs[..., :width] @ v0
+    for j, vj in enumerate(diag_v):
+        out = out + probs[..., width + j : width + j + 1] * vj
     return out

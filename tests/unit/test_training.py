@@ -230,6 +230,46 @@ def test_ttt_loss_weights_steps_and_backpropagates_through_the_unroll():
     assert model.embed_tokens.weight.grad is None  # frozen target embeddings
 
 
+def full_width_step_losses(model, batch, lm_head_draft, ttt_steps, step_decay):
+    """Reference: every TTT step on every index of the (B, L) batch (no compact layout), the `ce` loss."""
+    in_draft = model.t2d[batch.target_ids] & (batch.doc_ids >= 0)
+    mask0, cache = step0_mask(batch.doc_ids), StepKVCache()
+    hidden, total, losses = model.project(batch.aux_hidden), 0.0, []
+    for k in range(ttt_steps):
+        view = step_view(batch, in_draft, k)
+        out = model.step(view.tokens, hidden, view.position_ids, mask0, cache)
+        rows, cols = view.valid.nonzero(as_tuple=True)
+        teacher = batch.final_hidden[rows, cols + k + 1] @ lm_head_draft.T
+        loss_k = distill_cross_entropy(model.logits(out[rows, cols]), teacher)
+        total, hidden = total + step_decay**k * loss_k, model.carry(out)
+        losses.append(float(loss_k))
+    return total, losses
+
+
+@pytest.mark.parametrize("row_len", [24, 64])  # 64: a row of several segments; 24: whole-row attention
+def test_later_steps_on_the_trained_indices_only_equal_every_index_unrolled(row_len):
+    """Steps after the first skip the indices no later step trains (the prompts): loss and gradients as
+    when every step runs on every index, over two rows of packed documents with padding."""
+    model = small_drafter()
+    rows = fake_rows([12, 10, 7, 14, 9, 11, 5, 8], prompt=4)
+    batch = collate(list(pack_rows([to_sample(r, row_len) for r in rows], row_len))[:2], 2, row_len)
+    lm_head_draft = torch.randn(20, 32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = ttt_forward(model, batch, lm_head_draft, ttt_steps=4, step_decay=0.8)
+    got = torch.autograd.grad(out.loss, params)
+    want_loss, want_steps = full_width_step_losses(model, batch, lm_head_draft, 4, 0.8)
+    want = torch.autograd.grad(want_loss, params)
+    assert out.step_losses == pytest.approx(want_steps, rel=1e-5)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    # the later steps really ran on fewer indices: each document's prompt is left out
+    in_draft = model.t2d[batch.target_ids] & (batch.doc_ids >= 0)
+    views = list(unroll(model, batch, in_draft, 4))
+    kept = torch.stack([v.trained for v, _ in views[1:]]).any(0)
+    assert 0 < int(kept.sum()) < int((batch.doc_ids >= 0).sum())
+    assert all(bool((h[~kept] == 0).all()) for _, h in views[1:])
+
+
 def test_teacher_temperature_sharpens_the_target_distribution():
     model = small_drafter()
     batch = packed(fake_rows([12, 10]), row_len=24)
