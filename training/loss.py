@@ -182,21 +182,20 @@ def unroll(
     """Yield (view, pre-norm hidden (B, L, H)) for steps 0..ttt_steps-1, feeding `model.carry` of each step's
     output back as the next step's hidden state (gradients flow through the whole unroll).
 
-    The first step runs on every index (its keys are every later query's prefix). The later steps run only
-    on the indices some later step trains (`StepKVCache.compact`): ~30% fewer in rows whose prompts are
-    a third of their tokens. Their hidden states are zero at the indices left out, which no loss reads."""
+    Only the indices some step trains are computed (`StepKVCache.compact`): the first step's keys at every
+    index (every later query's prefix), everything else at those indices only: ~30% fewer in rows whose
+    prompts are a third of their tokens. The hidden states are zero at the indices left out, which no loss
+    reads."""
     mask0 = step0_mask(batch.doc_ids)
     cache = StepKVCache()
     views = [step_view(batch, in_draft, k) for k in range(ttt_steps)]
-    out = model.step(views[0].tokens, model.project(batch.aux_hidden), views[0].position_ids, mask0, cache)
-    yield views[0], out
-    if ttt_steps == 1:
-        return
-    rows, cols = torch.stack([v.trained for v in views[1:]]).any(0).nonzero(as_tuple=True)
-    cache.compact(rows, cols, tuple(batch.doc_ids.shape))
-    hidden = model.carry(out)[rows, cols][None]
-    for view in views[1:]:
-        out = model.step(view.tokens[rows, cols][None], hidden, view.position_ids[rows, cols][None], mask0, cache)
+    rows, cols = torch.stack([v.trained for v in views]).any(0).nonzero(as_tuple=True)
+    cache.compact(rows, cols, mask0)
+    hidden = model.project(batch.aux_hidden)
+    for k, view in enumerate(views):
+        tokens, positions = (view.tokens, view.position_ids) if k == 0 else (
+            view.tokens[rows, cols][None], view.position_ids[rows, cols][None])
+        out = model.step(tokens, hidden, positions, mask0, cache)
         yield view, out.new_zeros(*batch.doc_ids.shape, out.shape[-1]).index_put((rows, cols), out[0])
         hidden = model.carry(out)
 

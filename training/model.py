@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
+    rotate_half,
 )
 
 from training.config import ARCHITECTURE_FLAGS
@@ -59,21 +59,28 @@ class DraftAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         mask0: torch.Tensor,
         cache: StepKVCache,
+        at: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        b, length, _ = x.shape
+        """Keys and values at every index of x (B, L, 2H); queries there too, or only at the indices ``at``
+        (then the output is on their (1, N) layout)."""
 
         def heads(t: torch.Tensor, n: int) -> torch.Tensor:
-            return t.view(b, length, n, self.head_dim).transpose(1, 2)
+            return t.view(*t.shape[:2], n, self.head_dim).transpose(1, 2)
 
-        q = heads(self.q_proj(x), self.num_heads)
-        k = heads(self.k_proj(x), self.num_kv_heads)
+        def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return t * cos.unsqueeze(1) + rotate_half(t) * sin.unsqueeze(1)
+
+        cos, sin = cos_sin
+        k = rope(heads(self.k_proj(x), self.num_kv_heads), cos, sin)
         v = heads(self.v_proj(x), self.num_kv_heads)
-        q, k = apply_rotary_pos_emb(q, k, *cos_sin)
+        if at is not None:
+            x, cos, sin = x[at][None], cos[at][None], sin[at][None]
+        q = rope(heads(self.q_proj(x), self.num_heads), cos, sin)
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = cached_step_attention(q, k, v, cache, mask0)
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
 class DraftDecoderLayer(nn.Module):
@@ -92,7 +99,11 @@ class DraftDecoderLayer(nn.Module):
     def forward(self, embeds, hidden, cos_sin, mask0, cache) -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos_sin, mask0, cache)
+        residual = normed if self.norm_before_residual else hidden
+        at = cache.query_subset()  # keys at every index, the rest at the trained ones only
+        if at is not None:
+            residual = residual[at][None]
+        h = residual + self.self_attn(x, cos_sin, mask0, cache, at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -14,10 +14,11 @@ segment attends within itself only: sum of w^2 scores instead of L^2 (a 2,048-to
 samples: ~9x fewer), and ~2.5x fewer than chunks of S queries against the 2S-1 keys before them. Keys
 outside a segment are masked in the dense form anyway, so the result is the same.
 
-Steps after the first need only the indices some later step trains (``StepKVCache.compact``): a prompt
-index's chain is never scored past its first draft, and its step-0 key is all later steps read of it.
-Those steps run on a compact (1, N) layout of just these indices; each query still attends its own
-segment's step-0 keys and its own diagonal, so values and gradients at the kept indices are unchanged.
+Queries are needed only at the indices some step trains (``StepKVCache.compact``): a prompt index's
+chain is never scored, and its step-0 key is all that any query reads of it. So the first step takes
+keys at every index but queries on a compact (1, N) layout of just the trained indices, and the later
+steps run wholly on that layout; each query still attends its own segment's step-0 keys and its own
+diagonal, so values and gradients at the kept indices are unchanged.
 """
 
 from __future__ import annotations
@@ -35,18 +36,32 @@ class StepKVCache:
     values: list[torch.Tensor] = field(default_factory=list)
     span: int | None = None  # longest reach of a query into earlier keys (set on the first step)
     segments: list[tuple[int, int, int]] | None = None  # (row, start, end) of each segment (``segments``)
-    queries: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, cols) of later steps' compact queries
+    queries: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, cols) of the compact queries
     ranges: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (row, a, b, ca, cb) per segment
 
-    def compact(self, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]) -> None:
-        """Run the steps after the first on the (1, N) layout of indices (rows, cols), sorted row-major,
-        of a (B, L) batch: each segment's queries are the contiguous run [ca, cb) of that layout."""
-        batch, length = shape
+    def layout(self, mask0: torch.Tensor) -> None:
+        """The rows' segments, once per batch (``segments``; None: one segment per row)."""
+        if self.span is None:
+            first = first_visible(mask0)
+            self.span = attention_span(mask0, first)
+            self.segments = None if 2 * self.span >= mask0.shape[-1] else segments(mask0, self.span, first)
+
+    def compact(self, rows: torch.Tensor, cols: torch.Tensor, mask0: torch.Tensor) -> None:
+        """Ask queries only at indices (rows, cols), sorted row-major, of the (B, 1, L, L) mask's batch: the
+        first step still takes keys at every index, its queries and every later step on this (1, N) layout.
+        Each segment's queries are the contiguous run [ca, cb) of it."""
+        self.layout(mask0)
+        batch, length = mask0.shape[0], mask0.shape[-1]
         segs = self.segments or [(r, 0, length) for r in range(batch)]
         edges = torch.tensor([[r * length + a, r * length + b] for r, a, b in segs], device=rows.device)
         bounds = torch.searchsorted(rows * length + cols, edges).tolist()
         self.queries = (rows, cols)
         self.ranges = [(r, a, b, ca, cb) for (r, a, b), (ca, cb) in zip(segs, bounds, strict=True) if cb > ca]
+
+    def query_subset(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, cols) when the next step's keys are full-width but its queries compact (the first step
+        after ``compact``), else None."""
+        return self.queries if self.queries is not None and not self.keys else None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.keys.append(k)
@@ -110,13 +125,10 @@ def cached_step_attention(
     Scores against step-0 keys use `mask0`; each later step contributes one score per index
     (its key at the same index). A joint softmax over both parts keeps this exactly equal to
     attention over all (k+1)L keys with the TTT mask. Rows of several documents are done per segment.
-    After ``cache.compact``, the steps after the first take q, k, v on its (1, h, N, d) layout."""
+    After ``cache.compact``, q is on its (1, h, N, d) layout, and so are k and v of the steps after the first."""
     cache.append(k, v)
-    if cache.span is None:  # the first step: the row's layout, once per batch
-        first = first_visible(mask0)
-        cache.span = attention_span(mask0, first)
-        cache.segments = None if 2 * cache.span >= mask0.shape[-1] else segments(mask0, cache.span, first)
-    if len(cache) > 1 and cache.queries is not None:
+    cache.layout(mask0)
+    if cache.queries is not None:
         return _attend_compact(q, cache, mask0)
     if cache.segments is None:
         return _attend(q, cache, mask0, slice(None), 0, q.shape[-2])

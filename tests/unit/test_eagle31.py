@@ -134,8 +134,8 @@ def test_norm_output_feeds_the_post_norm_state_to_the_next_step():
         h0 = normed.step(views[0].tokens, normed.project(batch.aux_hidden), views[0].position_ids, mask0, cache)
         h1 = normed.step(views[1].tokens, normed.norm(h0), views[1].position_ids, mask0, cache)
         base = [h for _, h in unroll(plain, batch, in_draft, 2)]
-    torch.testing.assert_close(got[0], h0, rtol=0, atol=0)
-    kept = views[1].trained  # with two steps, the later step runs on the indices it trains only
+    kept = views[0].trained | views[1].trained  # the unroll computes the indices some step trains only
+    torch.testing.assert_close(got[0][kept], h0[kept], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1][kept], h1[kept], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[0], base[0], rtol=0, atol=0)  # the first step is not affected
     assert not torch.allclose(got[1][kept], base[1][kept], atol=1e-3)
