@@ -34,7 +34,7 @@ class StepKVCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
-    span: int | None = None  # longest reach of a query into earlier keys (set on the first step)
+    span: int | None = None  # longest reach of a query into earlier keys (set once per batch by ``layout``)
     segments: list[tuple[int, int, int]] | None = None  # (row, start, end) of each segment (``segments``)
     queries: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, cols) of the compact queries
     ranges: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (row, a, b, ca, cb) per segment
