@@ -46,6 +46,12 @@ def child(root: str, precision: str, ttt: int, draft_vocab: int, row_len: int) -
     torch.manual_seed(0)
     model = Eagle3Drafter(config)
     model.t2d[:draft_vocab] = True
+    # a drafter's lm_head starts as the target's draft-vocab rows (row norm ~62 on the reasoning target), so its
+    # logits spread like a real one's (row std ~60, half the vocab below exp's range): that decides which kernels
+    # are slow. The teacher's rows alike.
+    scale = 62 / SHAPES["hidden_size"] ** 0.5
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, scale)
     rng = np.random.default_rng(0)
     h, rows, total = SHAPES["hidden_size"], [], 0
     while total < row_len * 1.3:
@@ -57,7 +63,7 @@ def child(root: str, precision: str, ttt: int, draft_vocab: int, row_len: int) -
                          target_ids=rng.integers(0, draft_vocab, n)))
         total += n
     batch = next(batches((to_sample(r, row_len) for r in rows), row_len, row_len))
-    objective = TTTObjective(model, torch.randn(draft_vocab, h) * 0.45, ttt, 0.8)
+    objective = TTTObjective(model, torch.randn(draft_vocab, h) * scale, ttt, 0.8)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
 

@@ -57,7 +57,7 @@ class DraftAttention(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        mask0: torch.Tensor,
+        mask0: torch.Tensor | None,
         cache: StepKVCache,
         at: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
@@ -80,7 +80,7 @@ class DraftAttention(nn.Module):
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = cached_step_attention(q, k, v, cache, mask0)
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.num_heads * self.head_dim))
 
 
 class DraftDecoderLayer(nn.Module):
@@ -150,10 +150,11 @@ class Eagle3Drafter(nn.Module):
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
-        mask0: torch.Tensor,
+        mask0: torch.Tensor | None,
         cache: StepKVCache,
     ) -> torch.Tensor:
-        """One draft step: returns the pre-norm hidden state (`carry` of it feeds the next step)."""
+        """One draft step: returns the pre-norm hidden state (`carry` of it feeds the next step). `mask0`: the
+        step-0 mask (``step0_mask``); None once ``cache.compact`` holds the documents' masks."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos_sin = self.rotary(hidden, position_ids)
         return self.midlayer(embeds, hidden, cos_sin, mask0, cache)

@@ -92,12 +92,12 @@ def test_cosine_schedule_warms_up_then_decays_to_zero():
 
 
 def test_step0_mask_is_causal_within_documents():
-    docs = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    docs = torch.tensor([[0, 0, 0, 1, 1, -1, -1]])
     m = step0_mask(docs)[0, 0]
-    assert m[2].tolist() == [True, True, True, False, False, False]
-    assert m[4].tolist() == [False, False, False, True, True, False]
-    assert m[0].tolist() == [True, False, False, False, False, False]
-    assert m[5].tolist() == [False] * 5 + [True]  # padding sees only itself
+    assert m[2].tolist() == [True, True, True, False, False, False, False]
+    assert m[4].tolist() == [False, False, False, True, True, False, False]
+    assert m[0].tolist() == [True, False, False, False, False, False, False]
+    assert m[6].tolist() == [False] * 6 + [True]  # padding sees only itself, not the padding before it
 
 
 def naive_ttt_attention(qs, ks, vs, mask0):
@@ -129,13 +129,13 @@ def test_cached_attention_equals_explicit_ttt_mask():
 
 def test_chunked_attention_over_a_long_packed_row_equals_the_explicit_mask():
     """Many short documents in one row: queries go in span-sized chunks (values and gradients unchanged)."""
-    from training.ttt_attention import attention_span
+    from training.ttt_attention import attention_span, first_visible
 
     torch.manual_seed(1)
     docs = torch.tensor([[0] * 5 + [1] * 3 + [2] * 6 + [3] * 4 + [4] * 2 + [-1] * 4,
                          [0] * 6 + [1] * 6 + [2] * 6 + [3] * 6])
     mask0 = step0_mask(docs)
-    assert attention_span(mask0) == 6  # the longest document
+    assert attention_span(first_visible(mask0)) == 6  # the longest document
     b, h, length, d, steps = 2, 2, docs.shape[1], 8, 3
     qs, ks, vs = ([torch.randn(b, h, length, d, requires_grad=True) for _ in range(steps)] for _ in range(3))
     cache = StepKVCache()
@@ -484,12 +484,42 @@ def test_stored_target_ids_spare_the_worker_its_lm_head_pass(tiny_rows, target_p
 
 def test_segments_are_whole_documents_within_the_width():
     """Rows cut at document starts only; documents share a segment while it stays within the width."""
-    from training.ttt_attention import segments
+    from training.ttt_attention import first_visible, segments
 
     docs = torch.tensor([[0] * 3 + [1] * 2 + [2] * 4 + [3] * 1 + [-1] * 2,
                          [0] * 12])
-    cuts = segments(step0_mask(docs), width=5)
+    cuts = segments(first_visible(step0_mask(docs)), width=5)
     assert cuts == [(0, 0, 5), (0, 5, 10), (0, 10, 12), (1, 0, 12)]  # a lone wider document stays whole
+
+
+def test_document_starts_are_the_step0_masks_first_visible_keys():
+    """The compact path's O(L) document starts give the same first key, span and segments as the (L, L) mask,
+    over packed rows with padding (padding sees only itself)."""
+    from training.ttt_attention import attention_span, doc_starts, first_visible, segments
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        rows = []
+        for _ in range(3):
+            lengths = rng.integers(1, 9, rng.integers(1, 6))
+            ids = np.concatenate([np.full(n, d) for d, n in enumerate(lengths)])
+            rows.append(np.concatenate([ids, np.full(40 - len(ids), -1)])[:40])
+        docs = torch.tensor(np.stack(rows))
+        first = first_visible(step0_mask(docs))
+        assert torch.equal(doc_starts(docs), first)
+        assert attention_span(doc_starts(docs)) == attention_span(first)
+        assert segments(doc_starts(docs), 7) == segments(first, 7)
+
+
+def test_a_batch_with_nothing_to_train_unrolls_to_a_zero_loss():
+    """Every token a prompt (no compact query at all): the unroll still runs, every hidden state is zero and
+    the loss is a zero that keeps the graph (DDP expects every gradient)."""
+    model = small_drafter()
+    batch = packed(fake_rows([9, 7], prompt=20), row_len=24)
+    out = ttt_forward(model, batch, torch.randn(20, 32), ttt_steps=3, step_decay=0.8)
+    assert out.loss.item() == 0 and out.step_accs == [0.0, 0.0, 0.0]
+    out.loss.backward()
+    assert model.lm_head.weight.grad is not None and float(model.lm_head.weight.grad.abs().sum()) == 0
 
 
 def test_precision_decides_the_autocast_per_device(tmp_path, tiny_target, target_parts, tiny_rows):
