@@ -41,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MIX = {"shop": 0.5, "reasoning": 0.5}
 PRICE = 2e-6  # USD per completion token
-BASE_ROWS = {"shop": 160, "reasoning": 24}  # the unequal base: shop's dollars many times what its curve needs
-POOL_ROWS = 600  # prompts per dataset file: room for any follow-up
+# The unequal base: shop's dollars many times what its curve needs. At 160 shop rows (the 2026-12-04 record) the
+# value drafters, on 111 of them, still gained on shop at every cut, so the base did not do what it was for.
+BASE_ROWS = {"shop": 400, "reasoning": 24}
+POOL_ROWS = 1000  # prompts per dataset file: room for any follow-up (an even split adds ~260 shop rows)
 EVAL_ROWS = 48  # per dataset, fresh prompts: the one evaluation set every drafter is measured on
 SEEDS = {"shop": 7101, "reasoning": 7102, "shop_eval": 7201, "reasoning_eval": 7202}
 
@@ -211,10 +213,13 @@ def main() -> None:
     ap.add_argument("--target", type=Path, default=Path("artifacts/tiny-mixed"))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--value-seeds", default="0")
+    ap.add_argument("--value-seeds", default="0,1", help="seeds of the value drafters (each repeats every arm)")
+    ap.add_argument("--base-rows", default=",".join(f"{k}={v}" for k, v in BASE_ROWS.items()),
+                    help="prompts of each dataset in the base run, e.g. shop=400,reasoning=24")
     ap.add_argument("--budget-ratio", type=float, default=1.0, help="the next budget, in base runs' spend")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    base_rows = {k: int(v) for k, v in (kv.split("=") for kv in args.base_rows.split(","))}
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -228,7 +233,7 @@ def main() -> None:
         for sub in ("base", "plan", "even", "eval", "final"):
             shutil.rmtree(work / sub, ignore_errors=True)
         open_caps = {"shop": 1.0, "reasoning": 1.0}  # far above what the rows cost: the rows bound the base run
-        base = config(work / "base", target, url, {d: (prompts[d], BASE_ROWS[d]) for d in MIX}, args.steps,
+        base = config(work / "base", target, url, {d: (prompts[d], base_rows[d]) for d in MIX}, args.steps,
                       open_caps)
         base_yaml = write_yaml(work / "base.yaml", base)
         cli(work, "base", "run", str(base_yaml))
