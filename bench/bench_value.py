@@ -20,12 +20,17 @@ dataset, acceptance per dataset and on the mix (mean ± sd over seeds), and the 
 measured one.
 
     python bench/bench_value.py [--work /tmp/bench_value] [--seeds 0,1,2] [--steps 150] [--budget-ratio 1]
+
+The final drafters train ``--steps`` each by default; ``--final-steps N`` gives every run N steps, ``--final-epochs
+E`` gives each run E passes over its own samples. ``--finals-only`` trains and measures them again on the runs an
+earlier invocation left in ``--work`` (into ``final_s{N}/`` or ``final_e{E}/``), ``--final-runs`` picks the runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -159,9 +164,27 @@ def apply(cfg: dict[str, Any], frag: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def run_tokens(out: Path) -> int:
+    """Prompt and answer tokens of a run's passed samples that have hidden states: what one epoch reads."""
+    from pipeline.base.records import read_samples
+
+    keep = passed(out)
+    rows, _ = read_samples(out / "samples", ["sample_id", "prompt_ids", "output_ids"])
+    return sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows if r["sample_id"] in keep)
+
+
+def final_steps(out: Path, train: dict[str, Any], epochs: float | None) -> int:
+    """The steps of a run's final drafters: the training config's, or ``epochs`` passes over its samples (batches
+    of ``batch_tokens`` packed tokens), so a run with more samples trains longer."""
+    if epochs is None:
+        return int(train["steps"])
+    return max(1, math.ceil(epochs * run_tokens(out) / int(train["batch_tokens"])))
+
+
 def final_drafters(runs: dict[str, Path], eval_out: Path, target: Path, train: dict[str, Any], seeds: list[int],
-                   work: Path) -> dict[str, list[dict[str, Any]]]:
-    """Per run, per seed: a full drafter on every passed sample, measured on the evaluation set."""
+                   work: Path, epochs: float | None = None, folder: str = "final") -> dict[str, list[dict[str, Any]]]:
+    """Per run, per seed: a full drafter on every passed sample, measured on the evaluation set; ``epochs``:
+    steps in proportion to the run's tokens (``final_steps``) rather than the same steps for every run."""
     import ray
 
     from pipeline.base.layout import RunLayout
@@ -179,25 +202,29 @@ def final_drafters(runs: dict[str, Path], eval_out: Path, target: Path, train: d
     pending = {}
     for name, out in runs.items():
         aux = (load_index(out / "hidden").get("meta") or {})["aux_layer_ids"]
-        cfg = DraftTrainConfig.model_validate(train).model_copy(update={"aux_layer_ids": list(aux)})
+        steps = final_steps(out, train, epochs)
+        cfg = DraftTrainConfig.model_validate(train).model_copy(
+            update={"aux_layer_ids": list(aux), "steps": steps, "checkpoint_every": steps})
         datasets = passed(out)
+        log(f"final drafters of {name}: {steps} steps each")
         for seed in seeds:
             arm = Arm(None, 1.0, seed)
             ref = task.remote(arm, train_cfg=cfg.model_dump(mode="json"), target_dir=str(target),
-                              hidden_dir=str(out / "hidden"), arm_dir=str(work / "final" / name / arm.name),
+                              hidden_dir=str(out / "hidden"), arm_dir=str(work / folder / name / arm.name),
                               datasets=datasets, labels={}, heldout_fraction=0.0, heldout_max=1)
-            pending[ref] = (name, seed, datasets)
+            pending[ref] = (name, seed, datasets, steps)
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in runs}
     while pending:
         [ref], _ = ray.wait(list(pending), num_returns=1)
-        name, seed, datasets = pending.pop(ref)
+        name, seed, datasets, steps = pending.pop(ref)
         ray.get(ref)
-        export = work / "final" / name / Arm(None, 1.0, seed).name / "export"
+        export = work / folder / name / Arm(None, 1.0, seed).name / "export"
         held = heldout_acceptance(export, target, eval_rows, 5, eval_labels)
         fig = mix_figure(held, MIX)
         per = {d: g["acceptance_length"] for d, g in by_dataset(held).items()}
         results[name].append({"seed": seed, "mix": fig[0] if fig else None, **per,
-                              "train": {d: sum(1 for v in datasets.values() if v == d) for d in MIX}})
+                              "train": {d: sum(1 for v in datasets.values() if v == d) for d in MIX},
+                              "steps": steps})
         log(f"drafter {name} seed {seed}: mix {fig[0]:.3f} " + " ".join(f"{d} {v:.3f}" for d, v in per.items()))
     ray.shutdown()
     return results
@@ -207,26 +234,8 @@ def mean_sd(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/bench_value"))
-    ap.add_argument("--target", type=Path, default=Path("artifacts/tiny-mixed"))
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--value-seeds", default="0,1", help="seeds of the value drafters (each repeats every arm)")
-    ap.add_argument("--base-rows", default=",".join(f"{k}={v}" for k, v in BASE_ROWS.items()),
-                    help="prompts of each dataset in the base run, e.g. shop=400,reasoning=24")
-    ap.add_argument("--budget-ratio", type=float, default=1.0, help="the next budget, in base runs' spend")
-    args = ap.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    base_rows = {k: int(v) for k, v in (kv.split("=") for kv in args.base_rows.split(","))}
-    work = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-
-    from pipeline.demo.tiny_model import build_tiny_target
-
-    target = build_tiny_target(args.target.resolve(), variant="mixed")
+def pipeline_runs(args: argparse.Namespace, work: Path, target: Path, base_rows: dict[str, int]) -> dict[str, Any]:
+    """The base run, `value`, `plan`, the two follow-ups and the evaluation run, through the project's CLI."""
     prompts = write_prompts(work)
     server, url, bills = start_server(target, work)
     try:
@@ -262,15 +271,70 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(30)
-    runs = {"base": work / "base", "plan": work / "plan", "even": work / "even"}
-    results = final_drafters(runs, work / "eval", target, base["training"], seeds, work)
-    base_mix = statistics.mean(r["mix"] for r in results["base"])
+    return {"base": base, "plan": plan, "frags": frags, "spent": spent, "budget": budget, "base_usd": base_usd}
+
+
+def earlier_runs(work: Path) -> dict[str, Any]:
+    """What ``pipeline_runs`` returned in an earlier invocation: from its summary, or (a summary written before
+    it kept them) from the files that invocation left."""
+    summary = json.loads((work / "bench_value.json").read_text())
+    if "runs" in summary:
+        return summary["runs"]
+    return {"base": yaml.safe_load((work / "base.yaml").read_text()),
+            "plan": json.loads((work / "base" / "value" / "plan.json").read_text()),
+            "frags": summary["fragments"], "spent": summary["spent_usd"], "budget": summary["budget_usd"],
+            "base_usd": summary["base_usd"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bench_value"))
+    ap.add_argument("--target", type=Path, default=Path("artifacts/tiny-mixed"))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--value-seeds", default="0,1", help="seeds of the value drafters (each repeats every arm)")
+    ap.add_argument("--base-rows", default=",".join(f"{k}={v}" for k, v in BASE_ROWS.items()),
+                    help="prompts of each dataset in the base run, e.g. shop=400,reasoning=24")
+    ap.add_argument("--budget-ratio", type=float, default=1.0, help="the next budget, in base runs' spend")
+    ap.add_argument("--final-epochs", type=float, default=None,
+                    help="train each run's final drafters for this many passes over its samples (steps in "
+                         "proportion to its tokens) instead of --steps")
+    ap.add_argument("--final-steps", type=int, default=None,
+                    help="train every run's final drafters for this many steps (default: --steps)")
+    ap.add_argument("--final-runs", default="base,plan,even", help="the runs whose final drafters are trained")
+    ap.add_argument("--finals-only", action="store_true",
+                    help="reuse the runs an earlier invocation left in --work; train and measure the final drafters")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    base_rows = {k: int(v) for k, v in (kv.split("=") for kv in args.base_rows.split(","))}
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    from pipeline.demo.tiny_model import build_tiny_target
+
+    target = build_tiny_target(args.target.resolve(), variant="mixed")
+    if args.finals_only:  # the runs of an earlier invocation in --work, their drafters trained again
+        ran = earlier_runs(work)
+    else:
+        ran = pipeline_runs(args, work, target, base_rows)
+        (work / "bench_value.json").write_text(json.dumps({"runs": ran}, indent=1))
+    folder = ("final" if args.final_epochs is None and args.final_steps is None else
+              f"final_e{args.final_epochs:g}" if args.final_epochs is not None else f"final_s{args.final_steps}")
+    base, plan, frags, spent = ran["base"], ran["plan"], ran["frags"], ran["spent"]
+    budget, base_usd = ran["budget"], ran["base_usd"]
+    train = dict(base["training"]) | ({"steps": args.final_steps} if args.final_steps else {})
+    runs = {name: work / name for name in args.final_runs.split(",")}
+    results = final_drafters(runs, work / "eval", target, train, seeds, work, args.final_epochs, folder)
+    base_mix = statistics.mean(r["mix"] for r in results["base"]) if "base" in results else None
     predicted = {"plan": plan["predicted"], "even": plan["even_split"]["predicted"]}
     summary = {"budget_usd": budget, "base_usd": base_usd, "spent_usd": spent, "plan": plan["datasets"],
                "fragments": frags, "results": results, "predicted": predicted, "steps": args.steps,
-               "seconds": round(time.perf_counter() - t_start)}
-    (work / "bench_value.json").write_text(json.dumps(summary, indent=1))
-    print(f"\nnext budget ${budget:.6f} (base run billed ${base_usd:.6f}); {args.steps} steps per drafter, "
+               "final_epochs": args.final_epochs, "runs": ran, "seconds": round(time.perf_counter() - t_start)}
+    (work / ("bench_value.json" if folder == "final" else f"bench_value_{folder}.json")).write_text(
+        json.dumps(summary, indent=1))
+    steps = ", ".join(f"{name} {res[0]['steps']}" for name, res in results.items())
+    print(f"\nnext budget ${budget:.6f} (base run billed ${base_usd:.6f}); final drafters' steps: {steps}; "
           f"seeds {seeds}; mix {MIX}; evaluation set {EVAL_ROWS} prompts per dataset")
     for r in plan["datasets"]:
         print(f"  plan: {r['dataset']}: +${r['add_usd']:.6f} ({r['add_samples']} samples), slope now "
@@ -280,13 +344,13 @@ def main() -> None:
     for name, res in results.items():
         train = res[0]["train"]
         mix = [r["mix"] for r in res]
-        gain = statistics.mean(mix) - base_mix
+        gain = statistics.mean(mix) - base_mix if base_mix is not None else None
         pred = predicted.get(name)
         pred_s = f"{pred['gain']:+.3f}" + (f" ± {pred['sd']:.3f}" if pred and pred.get("sd") is not None else "") \
             if pred else ""
         print(f"| {name} | {spent.get(name, base_usd):.6f} | {train['shop']} / {train['reasoning']} | "
               f"{mean_sd([r['shop'] for r in res])} | {mean_sd([r['reasoning'] for r in res])} | {mean_sd(mix)} | "
-              f"{'' if name == 'base' else f'{gain:+.3f}'} | {pred_s} |")
+              f"{'' if gain is None or name == 'base' else f'{gain:+.3f}'} | {pred_s} |")
     by_seed = {name: {r["seed"]: r["mix"] for r in res} for name, res in results.items()}
     d = [by_seed["plan"][s] - by_seed["even"][s] for s in seeds]  # paired: the same seed, the same init
     print(f"plan - even on the mix, paired by seed: {mean_sd(d)} (min {min(d):+.3f})")

@@ -123,8 +123,12 @@ def make_plan(buys: Sequence[Buyable], budget_usd: float, train_share: float, no
                      "room": b.room, "full": b.room is not None and round(x / b.usd_per_sample) >= b.room,
                      # beyond twice the spend the curve was measured on, or on a curve whose points never bent
                      "extrapolated": x > 0 and (new_train > 2 * max(b.spent_usd, 1e-12) or not b.curve.saturated)})
+    # the part of the gain that rests on curves carried past what they were measured on: in the value bench
+    # (bench/RESULTS.md) the plans whose gain was mostly this did not beat an even split
+    extrapolated = sum(r["gain"] for r in rows if r["extrapolated"])
     return {"budget_usd": budget_usd, "planned_usd": round(spent, 12), "unspent_usd": round(budget_usd - spent, 12),
             "train_share": train_share, "now": round(now, 4), "datasets": rows,
+            "extrapolated_gain": round(extrapolated, 4),
             "unpriced": sorted(b.dataset for b in buys if b.usd_per_sample <= 0),
             "predicted": predicted(priced, alloc, train_share),
             "even_split": {"add_usd": {k: round(v, 12) for k, v in even.items()},
@@ -145,6 +149,10 @@ def plan_lines(plan: Mapping[str, Any]) -> list[str]:
         tail = f" ({', '.join(notes)})" if notes else ""
         lines.append(f"[plan]   {r['dataset']}: +${r['add_usd']:.4g} ({r['add_samples']} samples at "
                      f"${r['usd_per_sample']:.3g}), gain {r['gain']:+.3f}{tail}")
+    share = plan.get("extrapolated_gain", 0.0) / p["gain"] if p["gain"] > 0 else 0.0
+    if share >= 0.5:
+        lines.append(f"[plan]   {share:.0%} of the predicted gain is extrapolated (a curve carried past twice the "
+                     "spend it was measured at, or one whose points never bent): a guess, not a measurement")
     if plan["unspent_usd"] > 0 and plan["datasets"] and plan["unspent_usd"] >= min(
             r["usd_per_sample"] for r in plan["datasets"]):
         lines.append(f"[plan]   ${plan['unspent_usd']:.4g} left unspent: no dataset's next sample is predicted to "

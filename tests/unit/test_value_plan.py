@@ -34,6 +34,18 @@ def test_the_budget_goes_mostly_to_the_steeper_curve_and_beats_an_even_split():
     assert any("steep: +$" in ln for ln in lines)
 
 
+def test_a_gain_resting_on_extrapolated_curves_is_said_to_be_a_guess():
+    far = make_plan(_buys(), 2.0, train_share=0.9, now=3.0)  # steep gets ~$1.8 of training on $1 measured
+    assert far["extrapolated_gain"] == pytest.approx(
+        sum(r["gain"] for r in far["datasets"] if r["extrapolated"]), abs=1e-3)
+    assert far["extrapolated_gain"] > 0.5 * far["predicted"]["gain"]
+    line = next(ln for ln in plan_lines(far) if "of the predicted gain is extrapolated" in ln)
+    assert line.startswith(f"[plan]   {far['extrapolated_gain'] / far['predicted']['gain']:.0%} ")
+    near = make_plan(_buys(), 0.5, train_share=0.9, now=3.0)  # within twice the measured spend
+    assert near["extrapolated_gain"] == 0
+    assert not any("extrapolated (" in ln for ln in plan_lines(near))
+
+
 def test_greedy_allocation_matches_equal_marginal_gains():
     """For concave curves the optimum equalises the slopes where both get money."""
     alloc = allocate(_buys(), 10.0, train_share=1.0, steps=2000)
