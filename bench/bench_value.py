@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,21 +165,20 @@ def apply(cfg: dict[str, Any], frag: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def run_tokens(out: Path) -> int:
-    """Prompt and answer tokens of a run's passed samples that have hidden states: what one epoch reads."""
+def run_tokens(out: Path, keep: Mapping[str, str]) -> int:
+    """Prompt and answer tokens of the run's samples in ``keep`` (``passed``): what one epoch reads."""
     from pipeline.base.records import read_samples
 
-    keep = passed(out)
     rows, _ = read_samples(out / "samples", ["sample_id", "prompt_ids", "output_ids"])
     return sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows if r["sample_id"] in keep)
 
 
-def final_steps(out: Path, train: dict[str, Any], epochs: float | None) -> int:
+def final_steps(out: Path, keep: Mapping[str, str], train: dict[str, Any], epochs: float | None) -> int:
     """The steps of a run's final drafters: the training config's, or ``epochs`` passes over its samples (batches
     of ``batch_tokens`` packed tokens), so a run with more samples trains longer."""
     if epochs is None:
         return int(train["steps"])
-    return max(1, math.ceil(epochs * run_tokens(out) / int(train["batch_tokens"])))
+    return max(1, math.ceil(epochs * run_tokens(out, keep) / int(train["batch_tokens"])))
 
 
 def final_drafters(runs: dict[str, Path], eval_out: Path, target: Path, train: dict[str, Any], seeds: list[int],
@@ -202,10 +202,10 @@ def final_drafters(runs: dict[str, Path], eval_out: Path, target: Path, train: d
     pending = {}
     for name, out in runs.items():
         aux = (load_index(out / "hidden").get("meta") or {})["aux_layer_ids"]
-        steps = final_steps(out, train, epochs)
+        datasets = passed(out)
+        steps = final_steps(out, datasets, train, epochs)
         cfg = DraftTrainConfig.model_validate(train).model_copy(
             update={"aux_layer_ids": list(aux), "steps": steps, "checkpoint_every": steps})
-        datasets = passed(out)
         log(f"final drafters of {name}: {steps} steps each")
         for seed in seeds:
             arm = Arm(None, 1.0, seed)
@@ -342,13 +342,13 @@ def main() -> None:
     print("| run | added $ (billed) | train samples shop / reasoning | shop | reasoning | mix | mix gain | predicted |")
     print("|---|---|---|---|---|---|---|---|")
     for name, res in results.items():
-        train = res[0]["train"]
+        counts = res[0]["train"]
         mix = [r["mix"] for r in res]
         gain = statistics.mean(mix) - base_mix if base_mix is not None else None
         pred = predicted.get(name)
         pred_s = f"{pred['gain']:+.3f}" + (f" ± {pred['sd']:.3f}" if pred and pred.get("sd") is not None else "") \
             if pred else ""
-        print(f"| {name} | {spent.get(name, base_usd):.6f} | {train['shop']} / {train['reasoning']} | "
+        print(f"| {name} | {spent.get(name, base_usd):.6f} | {counts['shop']} / {counts['reasoning']} | "
               f"{mean_sd([r['shop'] for r in res])} | {mean_sd([r['reasoning'] for r in res])} | {mean_sd(mix)} | "
               f"{'' if gain is None or name == 'base' else f'{gain:+.3f}'} | {pred_s} |")
     by_seed = {name: {r["seed"]: r["mix"] for r in res} for name, res in results.items()}
