@@ -21,6 +21,8 @@ measured one.
 
     python bench/bench_value.py [--work /tmp/bench_value] [--seeds 0,1,2] [--steps 150] [--budget-ratio 1]
 
+``--value-steps N`` trains the value drafters N steps instead of the runs' ``--steps``.
+
 The final drafters train ``--steps`` each by default; ``--final-steps N`` gives every run N steps, ``--final-epochs
 E`` gives each run E passes over its own samples. ``--finals-only`` trains and measures them again on the runs an
 earlier invocation left in ``--work`` (into ``final_s{N}/`` or ``final_e{E}/``), ``--final-runs`` picks the runs.
@@ -249,7 +251,7 @@ def pipeline_runs(args: argparse.Namespace, work: Path, target: Path, base_rows:
         base_usd = billed(bills)
         log(f"base run: ${base_usd:.6f} billed")
         value_out = cli(work, "value", "value", str(base_yaml), "--datasets", "shop,reasoning", "--fractions",
-                        "0,0.25,0.5", "--seeds", args.value_seeds, "--steps", str(args.steps))
+                        "0,0.25,0.5", "--seeds", args.value_seeds, "--steps", str(args.value_steps or args.steps))
         print(value_out, end="")
         budget = args.budget_ratio * base_usd
         plan_out = cli(work, "plan", "plan", str(base_yaml), "--budget-usd", f"{budget:.9f}", "--mix", "shop=1",
@@ -293,6 +295,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--value-seeds", default="0,1", help="seeds of the value drafters (each repeats every arm)")
+    ap.add_argument("--value-steps", type=int, default=None,
+                    help="steps of every value drafter (default: --steps, the runs' training config)")
     ap.add_argument("--base-rows", default=",".join(f"{k}={v}" for k, v in BASE_ROWS.items()),
                     help="prompts of each dataset in the base run, e.g. shop=400,reasoning=24")
     ap.add_argument("--budget-ratio", type=float, default=1.0, help="the next budget, in base runs' spend")
@@ -330,7 +334,8 @@ def main() -> None:
     predicted = {"plan": plan["predicted"], "even": plan["even_split"]["predicted"]}
     summary = {"budget_usd": budget, "base_usd": base_usd, "spent_usd": spent, "plan": plan["datasets"],
                "fragments": frags, "results": results, "predicted": predicted, "steps": args.steps,
-               "final_epochs": args.final_epochs, "runs": ran, "seconds": round(time.perf_counter() - t_start)}
+               "final_epochs": args.final_epochs, "value_steps": args.value_steps or args.steps, "runs": ran,
+               "seconds": round(time.perf_counter() - t_start)}
     (work / ("bench_value.json" if folder == "final" else f"bench_value_{folder}.json")).write_text(
         json.dumps(summary, indent=1))
     steps = ", ".join(f"{name} {res[0]['steps']}" for name, res in results.items())
