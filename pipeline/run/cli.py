@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the fractions each dataset is cut to, each in [0, 1), the others whole (default "
                         "0,0.25,0.5; the full drafter is always trained too)")
     p.add_argument("--seeds", type=lambda t: _numbers(t, int), default=(0,), help="seeds per arm (default 0)")
-    p.add_argument("--steps", type=int, help="steps of every drafter (default: the training config's)")
+    p.add_argument("--steps", type=int, help="steps of every drafter (default: the training config's); give them "
+                                             "the steps the drafter the plan is for will train")
     p.add_argument("--verbose", action="store_true", help="also print every log on the console")
     p.set_defaults(fn=_value)
     p = sub.add_parser("plan", help="per-dataset budgets for the next spend, from value/value.json")

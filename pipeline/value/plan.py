@@ -124,7 +124,8 @@ def make_plan(buys: Sequence[Buyable], budget_usd: float, train_share: float, no
                      # beyond twice the spend the curve was measured on, or on a curve whose points never bent
                      "extrapolated": x > 0 and (new_train > 2 * max(b.spent_usd, 1e-12) or not b.curve.saturated)})
     # the part of the gain that rests on curves carried past what they were measured on: in the value bench
-    # (bench/RESULTS.md) the plans whose gain was mostly this did not beat an even split
+    # (bench/RESULTS.md) the plans whose gain was mostly this lost to an even split or won by far less than the
+    # spread they were predicted with
     extrapolated = sum(r["gain"] for r in rows if r["extrapolated"])
     return {"budget_usd": budget_usd, "planned_usd": round(spent, 12), "unspent_usd": round(budget_usd - spent, 12),
             "train_share": train_share, "now": round(now, 4), "datasets": rows,
