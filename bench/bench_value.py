@@ -251,7 +251,7 @@ def pipeline_runs(args: argparse.Namespace, work: Path, target: Path, base_rows:
         base_usd = billed(bills)
         log(f"base run: ${base_usd:.6f} billed")
         value_out = cli(work, "value", "value", str(base_yaml), "--datasets", "shop,reasoning", "--fractions",
-                        "0,0.25,0.5", "--seeds", args.value_seeds, "--steps", str(args.value_steps or args.steps))
+                        "0,0.25,0.5", "--seeds", args.value_seeds, "--steps", str(args.value_steps))
         print(value_out, end="")
         budget = args.budget_ratio * base_usd
         plan_out = cli(work, "plan", "plan", str(base_yaml), "--budget-usd", f"{budget:.9f}", "--mix", "shop=1",
@@ -309,6 +309,7 @@ def main() -> None:
     ap.add_argument("--finals-only", action="store_true",
                     help="reuse the runs an earlier invocation left in --work; train and measure the final drafters")
     args = ap.parse_args()
+    args.value_steps = args.value_steps or args.steps
     seeds = [int(s) for s in args.seeds.split(",")]
     base_rows = {k: int(v) for k, v in (kv.split("=") for kv in args.base_rows.split(","))}
     work = args.work.resolve()
@@ -334,7 +335,7 @@ def main() -> None:
     predicted = {"plan": plan["predicted"], "even": plan["even_split"]["predicted"]}
     summary = {"budget_usd": budget, "base_usd": base_usd, "spent_usd": spent, "plan": plan["datasets"],
                "fragments": frags, "results": results, "predicted": predicted, "steps": args.steps,
-               "final_epochs": args.final_epochs, "value_steps": args.value_steps or args.steps, "runs": ran,
+               "final_epochs": args.final_epochs, "value_steps": args.value_steps, "runs": ran,
                "seconds": round(time.perf_counter() - t_start)}
     (work / ("bench_value.json" if folder == "final" else f"bench_value_{folder}.json")).write_text(
         json.dumps(summary, indent=1))
