@@ -15,14 +15,20 @@ pipeline (their mean). Also: seconds from launch to the first answer counted, th
 wall time of ``status`` and of a resume of the finished folder, and Ray's own start (a bare
 ``ray.init(); ray.shutdown()``) to read the resume against.
 
+``first``: only the seconds from launch to the first answer counted, each run killed once it has one, in
+alternating rounds against another checkout (``--base``): the drift of this machine's speed between minutes is
+larger than most changes to the start-up.
+
     python bench/bench_scale.py validate --rows 1500 --answer-tokens 2000 --rounds 2
     python bench/bench_scale.py e2e --prompts 20000 200000
+    python bench/bench_scale.py first --prompts 200000 --rounds 4 --base /tmp/base
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -588,6 +594,74 @@ def cmd_e2e(a: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- first answer, A/B
+
+
+def first_answer_once(cfg: Path, work: Path, root: Path, timeout: float) -> dict[str, float | None]:
+    """``python -m pipeline run`` from checkout ``root``, killed (its whole process group and Ray) as soon as its
+    console counts a first answer: seconds from launch to the phase's first line and to that answer."""
+    env = child_env(work) | {"PIPELINE_PROGRESS_S": "0.25"}
+    if root != ROOT:
+        env["PYTHONPATH"] = str(root)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=root, env=env, start_new_session=True)
+    began = first = None
+    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = GENERATE_LINE.search(line)
+            if m and began is None:
+                began = time.perf_counter() - t0
+            if m and int(m.group(1)) > 0:
+                first = time.perf_counter() - t0
+                break
+    finally:
+        timer.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        kill_under(work)
+    return {"began_s": began, "first_s": first}
+
+
+def cmd_first(a: argparse.Namespace) -> int:
+    """Seconds to the first answer only, this checkout against ``--base`` (another checkout) in alternating
+    rounds on one stand-in and one prompt file: the machine's speed drifts by seconds between minutes, so
+    only an interleaved A/B separates a change from the drift."""
+    sides = {"base": Path(a.base).resolve(), "this": ROOT} if a.base else {"this": ROOT}
+    base = Path(tempfile.mkdtemp(prefix="bsfirst-", dir=a.work_dir or "/tmp"))
+    out: dict[str, list[dict[str, float | None]]] = {side: [] for side in sides}
+    try:
+        with stand_in(base, a.delay_ms) as url:
+            for r in range(a.rounds):
+                for side, root in sides.items():
+                    work = base / f"{side}{r}"
+                    work.mkdir()
+                    cfg = write_inputs(work, a.prompts, url, a)
+                    res = first_answer_once(cfg, work, root, timeout=300)
+                    out[side].append(res)
+                    print(f"[{side} {r}] phase began {_s(res['began_s'])} s, first answer {_s(res['first_s'])} s",
+                          flush=True)
+                    shutil.rmtree(work, ignore_errors=True)
+    finally:
+        kill_under(base)
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"\nfirst answer counted, {a.prompts:,} prompts, {a.rounds} alternating rounds (goal <= 15 s from launch)")
+    print("| checkout | from launch, per round | mean | after the phase began, mean |")
+    print("|---|---|---|---|")
+    for side, runs in out.items():
+        firsts = [x["first_s"] for x in runs if x["first_s"] is not None]
+        after = [x["first_s"] - x["began_s"] for x in runs if x["first_s"] is not None and x["began_s"] is not None]
+        print(f"| {side} ({sides[side]}) | {', '.join(f'{x:.1f}' for x in firsts)} s | "
+              f"{statistics.mean(firsts):.1f} s | {statistics.mean(after):.1f} s |" if firsts else f"| {side} | -- |")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -613,6 +687,18 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--keep", action="store_true")
     e.add_argument("--json-out")
     e.set_defaults(fn=cmd_e2e)
+    fa = sub.add_parser("first", help="seconds to the first answer only, this checkout vs --base, alternating")
+    fa.add_argument("--prompts", type=int, default=200000)
+    fa.add_argument("--rounds", type=int, default=4)
+    fa.add_argument("--base", help="another checkout of the project (e.g. a git worktree) to run against")
+    fa.add_argument("--concurrency", type=int, default=2000)
+    fa.add_argument("--actors", type=int, default=1)
+    fa.add_argument("--batch-size", type=int, default=None)
+    fa.add_argument("--delay-ms", type=float, default=50.0)
+    fa.add_argument("--max-tokens", type=int, default=128)
+    fa.add_argument("--work-dir")
+    fa.add_argument("--json-out")
+    fa.set_defaults(fn=cmd_first)
     f = sub.add_parser("_floor")
     f.add_argument("--url", required=True)
     f.add_argument("--requests", type=int, required=True)

@@ -286,6 +286,10 @@ class RayConfig(Strict):
     # An actor pool that fits on no node gets this long for one to join (an autoscaler is asked), then the run
     # stops with exit 3 naming the missing resources (pipeline.run.placement).
     placement_timeout_s: float = Field(60.0, ge=0)
+    # The niceness of the workers of a local Ray the run starts (joining a cluster, its own setting holds). Ray's
+    # default, 15, makes its workers yield every contested core to the driver, Ray's agents and anything else on
+    # the machine; on one machine the workers are the pipeline (the driver only counts), so they run at 0.
+    worker_niceness: int = Field(0, ge=0, le=19)
 
 
 class PoolConfig(Strict):

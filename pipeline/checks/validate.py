@@ -230,18 +230,15 @@ def reencode_text(ids: list[int], p: Profile) -> list[int]:
     Where the special tokens sit is the structure check's business; this is the canonical
     tokenization of the text, a special string the model wrote as text included.
     """
-    specials = set(p.special_ids.values())
+    specials = p.special_id_set
     out: list[int] = []
-    run: list[int] = []
-    for i in [*ids, None]:
-        if i is None or i in specials:
-            if run:
-                out += p.encode(p.decode(run), frozenset())
-                run = []
-            if i is not None:
-                out.append(i)
-        else:
-            run.append(i)
+    start = 0
+    for k in [k for k, i in enumerate(ids) if i in specials] + [len(ids)]:
+        if k > start:
+            out += p.encode(p.decode(ids[start:k]), frozenset())
+        if k < len(ids):
+            out.append(ids[k])
+        start = k + 1
     return out
 
 

@@ -191,7 +191,8 @@ def init_ray(cfg: RunConfig, *, state_api: bool | None = None) -> None:
         # VLLM_CPU_KVCACHE_SPACE themselves (from ``kv_cache_gib``); the pandas import the setup hook did is in
         # ``pipeline/__init__``.
         dashboard = needs_state_api(cfg) if state_api is None else state_api  # on the next free port past 8265
-        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=dashboard, **loopback)
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=dashboard,
+                 _system_config={"worker_niceness": cfg.ray.worker_niceness}, **loopback)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

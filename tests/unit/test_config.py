@@ -93,7 +93,7 @@ sources: [{kind: vllm, name: local}]
     assert cfg.model.path is None
     assert cfg.datasets[0].format == "messages" and cfg.datasets[0].checks.structure == "quarantine"
     assert cfg.training == DraftTrainConfig()
-    assert cfg.ray.address is None
+    assert cfg.ray.address is None and cfg.ray.worker_niceness == 0
 
 
 def model_folder(path: Path) -> Path:
@@ -201,6 +201,8 @@ def test_unknown_key_is_named(workdir, cfg, key):
         (_edit(sources__0__kind="tgi"), "sources.0"),
         (_edit(datasets__0__checks={"repetition": "explode"}), "datasets.0.checks.repetition"),
         (_edit(training__aux_layer_ids=[3, 2, 1]), "training.aux_layer_ids"),
+        (_edit(ray={"worker_niceness": 20}), "ray.worker_niceness"),
+        (_edit(ray={"worker_niceness": -1}), "ray.worker_niceness"),
     ],
 )
 def test_wrong_type_or_value_is_named(workdir, cfg, key):
@@ -503,3 +505,21 @@ def test_every_tiny_variant_the_builder_knows_is_a_valid_config_value():
     assert set(get_args(ModelConfig.model_fields["tiny_variant"].annotation)) == set(VARIANTS)
     reasoning = load_config(ROOT / "configs" / "tiny_reasoning.yaml", base_dir=ROOT, check_paths=False)
     assert reasoning.model.tiny_variant == "reasoning" and reasoning.sampling.temperature == 0.0
+
+
+@pytest.mark.parametrize("niceness", [0, 7])
+def test_a_local_ray_starts_its_workers_at_the_configured_niceness(workdir, monkeypatch, niceness):
+    """Ray nices its workers to 15 unless told otherwise; the local Ray a run starts is told ``ray.worker_niceness``.
+    (The suite shares one Ray cluster, so ``ray.init`` is caught here rather than run.)"""
+    import ray
+
+    from pipeline.run.job import init_ray
+
+    cfg = load_config(_write(workdir, _edit(ray={"worker_niceness": niceness})), base_dir=workdir)
+    calls: list[dict] = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    init_ray(cfg)
+    assert calls and calls[0]["address"] == "local"
+    assert calls[0]["_system_config"] == {"worker_niceness": niceness}

@@ -477,3 +477,28 @@ def test_warm_builds_the_plain_encoder_and_changes_no_ids(name: str) -> None:
     text = f"12 + 30 = 42 {special} done"
     as_text = profile.encode(text, specials=())
     assert profile.decode(as_text) == text and as_text != profile.encode(text)
+
+
+def test_the_plain_encoder_shares_the_model_and_encodes_as_one_built_without_added_tokens() -> None:
+    """``encode_ordinary`` uses the loaded model with no added tokens (``plain_copy``), not a second parse of
+    tokenizer.json: its ids equal those of a tokenizer built from the file with ``added_tokens`` emptied, special
+    strings and odd text included."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer
+
+    from pipeline.profiles.deepseek import deepseek_tokenizer_dir
+
+    path = deepseek_tokenizer_dir() / "tokenizer.json"
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    spec["added_tokens"] = []
+    oracle = Tokenizer.from_str(json.dumps(spec))
+    tok = load_profile("deepseek", None).tokenizer
+    rng = random.Random(0)
+    pieces = [*tok.added_tokens(), "Hello world", " 12 + 30 = 42", "中文，标点。", "\u00a0\u2028", "  \n\n\t x",
+              "é" * 9]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(300)]
+    for text in texts:
+        assert tok.encode_ordinary(text) == oracle.encode(text, add_special_tokens=False).ids, text
+    assert tok.encode_ordinary("<｜end▁of▁sentence｜>") != [tok.token_to_id("<｜end▁of▁sentence｜>")]
