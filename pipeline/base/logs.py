@@ -168,21 +168,29 @@ def _is_console_handler(h: logging.Handler) -> bool:
 
 
 def preload_library_logging() -> None:
-    """Let the libraries the driver uses set up their console handlers now (at import, or on first use for
-    transformers), so that ``adopt_loggers`` finds them instead of them printing later."""
+    """Let Ray and Ray Data set up their console handlers now (at import), so that ``adopt_loggers`` finds them
+    instead of them printing later. Not transformers: its import is ~0.7 s of the driver's start that a run needs
+    only once it builds a tiny target, extracts or trains (``adopt_transformers_logging``, called there)."""
     import importlib
 
-    for name in ("ray", "ray.data", "transformers"):
+    for name in ("ray", "ray.data"):
         try:
             importlib.import_module(name)
         except Exception:  # not installed here: nothing of it to route
             continue
+
+
+def adopt_transformers_logging() -> None:
+    """Where the driver first uses transformers: its own stderr handler (made on first use) is taken over like
+    every other library's, so its lines go to ``transformers.log``; a no-op outside a ``capture``."""
     try:
         from transformers.utils import logging as hf_logging
 
         hf_logging.get_logger("transformers")  # adds transformers' own stderr handler, once
-    except Exception:
-        pass
+    except Exception:  # not installed here: nothing of it to route
+        return
+    if _ACTIVE is not None:
+        _ACTIVE.adopt_loggers()
 
 
 class RunLogs:

@@ -214,12 +214,14 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
                       console: Console | None = None) -> dict[str, Any]:
     """Extract hidden states, train the drafter on them, export it, and measure it on held-out samples; each
     step shows its progress on ``console``."""
+    from pipeline.base.logs import adopt_transformers_logging
     from pipeline.hidden.extract import bytes_per_token, read_extract_stats
     from training.config import DraftTrainConfig, resolve_aux_layer_ids
     from training.target import read_target_config
 
     if reason := skip_reason(cfg, layout):
         return {"skipped": reason}
+    adopt_transformers_logging()  # the driver's first use of transformers in a run with no tiny target to build
     console = console or Console()
     tcfg, ex = cfg.training, cfg.extraction
     target_cfg = read_target_config(cfg.model.path)  # the language model's, also for a multimodal checkpoint

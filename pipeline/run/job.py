@@ -97,6 +97,7 @@ def run_logs(layout: RunLayout, console: Console) -> AbstractContextManager[Any]
 
 
 def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
+    from pipeline.base.logs import adopt_transformers_logging
     from pipeline.generate.sources.chain import wait_for_retired_engines
     from pipeline.hidden.extract import HiddenStateExtractor
 
@@ -106,6 +107,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
         from pipeline.demo.tiny_model import build_tiny_target
 
         build_tiny_target(cfg.model.path, variant=cfg.model.tiny_variant)
+        adopt_transformers_logging()
     # before Ray starts: a folder written with other settings must fail in a second, not after start-up
     check_or_write_manifest(cfg, layout.root, has_samples=has_finished_rows(layout))
     check_api_keys(cfg)

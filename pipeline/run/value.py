@@ -59,11 +59,13 @@ class ValueOptions:
 def run_value(cfg: RunConfig, opts: ValueOptions, console: Console | None = None) -> dict[str, Any]:
     """Train and measure the arms, fit the curves, write ``value/value.json`` and return it. Holds the folder's
     run lock: a run still writing samples would change what the arms train on."""
+    from pipeline.base.logs import adopt_transformers_logging
     from pipeline.run.job import lock_timing, run_logs
 
     layout = RunLayout(cfg.output_dir)
     console = console or Console()
     with RunLock.for_folder(layout.root, **lock_timing()), run_logs(layout, console):
+        adopt_transformers_logging()  # every arm trains
         return _value(cfg, layout, opts, console)
 
 

@@ -284,3 +284,27 @@ def test_worker_output_goes_to_its_file(tmp_path: Path):
     assert "(pid=3279) (EngineCore pid=4022) INFO loading" in text and "Traceback" in text
     assert "(pid=3279, ip=10.0.0.2) WARNING 1 a warning" in text and "WARNING 2" not in text
     assert "(repeated 1 more times) (pid=3279, ip=10.0.0.2) WARNING 1 a warning" in text
+
+
+def test_transformers_is_imported_only_where_used_and_then_logs_to_its_file(tmp_path: Path) -> None:
+    """A run's start does not import transformers (~0.7 s before the first answer of a run that neither builds a
+    tiny target nor trains); where the driver first uses it, its own stderr handler is taken over, so its lines
+    land in ``transformers.log`` and not, through that handler, in ``output.log``. In a fresh interpreter: this
+    one has imported transformers long ago."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from pipeline.base.logs import adopt_transformers_logging, capture\n"
+        "with capture(sys.argv[1]):\n"
+        "    assert 'transformers' not in sys.modules, 'the start imported transformers'\n"
+        "    adopt_transformers_logging()\n"
+        "    from transformers.utils import logging as hf_logging\n"
+        "    hf_logging.get_logger('transformers.models').warning('a line from transformers')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "a line from transformers" in (tmp_path / "transformers.log").read_text()
+    assert "a line from transformers" not in (tmp_path / "output.log").read_text()
