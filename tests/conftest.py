@@ -99,13 +99,15 @@ class RayHead:
                          f"--dashboard-agent-grpc-port={_free_port()}", f"--metrics-export-port={_free_port()}",
                          f"--runtime-env-agent-port={_free_port()}", f"--ray-client-server-port={_free_port()}"]
         self.env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-             "--node-ip-address=127.0.0.1", f"--port={self.port}", f"--num-cpus={num_cpus}",
-             f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats", *service_ports],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
+        self.log = temp_dir / "ray-start.log"  # what `ray start` said: quoted when the head does not come up
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                 "--node-ip-address=127.0.0.1", f"--port={self.port}", f"--num-cpus={num_cpus}",
+                 f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                 f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats", *service_ports],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
 
     @property
     def address(self) -> str:
@@ -121,7 +123,7 @@ class RayHead:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("ray start --head exited")
+                raise RuntimeError(f"ray start --head exited with {self.proc.returncode}:\n{self.said()}")
             try:
                 urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2)
                 # the job server needs the dashboard agent: wait until it listens too
@@ -129,14 +131,21 @@ class RayHead:
                     return
             except OSError:
                 time.sleep(1)
-        raise TimeoutError("Ray head did not come up")
+        raise TimeoutError(f"Ray head did not come up in {timeout:.0f} s:\n{self.said()}")
+
+    def said(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no output)"
 
     def stop(self) -> None:
         import psutil
 
         procs = [p for p in psutil.process_iter(["cmdline"])
                  if any(str(self.temp_dir) in part for part in (p.info["cmdline"] or []))]
-        procs.append(psutil.Process(self.proc.pid))
+        try:  # `ray start` and everything under it (the agents renamed themselves: no temp dir in their cmdline)
+            start = psutil.Process(self.proc.pid)
+            procs += [start, *start.children(recursive=True)]
+        except psutil.NoSuchProcess:  # it exited (a failed start)
+            pass
         for p in procs:
             try:
                 p.kill()
@@ -144,11 +153,26 @@ class RayHead:
                 pass
 
 
+def start_head(tmp_path_factory: pytest.TempPathFactory, tries: int = 2) -> RayHead:
+    """A ready head, started again on fresh ports (and a fresh folder) when a start fails: the ports are picked
+    free and then released, so another process may take one before Ray binds it. One failed head would error
+    every test that uses the session's cluster."""
+    failures = []
+    for _ in range(tries):
+        head = RayHead(Path(tmp_path_factory.mktemp("ray")))
+        try:
+            head.wait_ready()
+            return head
+        except (RuntimeError, TimeoutError) as e:
+            head.stop()
+            failures.append(str(e))
+    raise RuntimeError(f"the session's Ray head did not start in {tries} tries:\n" + "\n---\n".join(failures))
+
+
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory: pytest.TempPathFactory):
-    head = RayHead(Path(tmp_path_factory.mktemp("ray")))
+    head = start_head(tmp_path_factory)
     try:
-        head.wait_ready()
         yield head
     finally:
         import ray
