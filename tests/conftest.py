@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cluster import free_ports
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["RAY_AUTH_MODE"] = "disabled"  # a loopback test cluster; no token to distribute
@@ -80,12 +82,6 @@ def reasoning_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_target(folder, variant="reasoning")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RayHead:
     """A `ray start --head --block` process; stopping it kills everything under its temp dir."""
 
@@ -93,11 +89,12 @@ class RayHead:
         self.temp_dir = temp_dir
         # Every service on a port of its own: a default port still held by a Ray that just stopped (or another
         # Ray on the machine) would leave the head without a dashboard agent ("No available agent to submit job").
-        self.port, self.dashboard_port = _free_port(), _free_port()
-        self.agent_port = _free_port()
-        service_ports = [f"--dashboard-agent-listen-port={self.agent_port}",
-                         f"--dashboard-agent-grpc-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-                         f"--runtime-env-agent-port={_free_port()}", f"--ray-client-server-port={_free_port()}"]
+        # Distinct ports (free_ports holds each socket until all are bound: one at a time could repeat one).
+        self.port, self.dashboard_port, self.agent_port, *others = free_ports(7)
+        services = ("dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent",
+                    "ray-client-server")
+        service_ports = [f"--{name}-port={port}" for name, port in zip(services, (self.agent_port, *others),
+                                                                         strict=True)]
         self.env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         self.log = temp_dir / "ray-start.log"  # what `ray start` said: quoted when the head does not come up
         with self.log.open("w") as log:
