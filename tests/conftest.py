@@ -28,7 +28,10 @@ INTEGRATION = REPO / "tests" / "integration"
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Everything under tests/integration is `slow` (the fast loop is `-m "not slow"`); `gpu` tests skip
-    without CUDA."""
+    without CUDA. The modules that use a trained target (Prebuilds) run last, in their order: their targets build
+    in the background meanwhile."""
+    late = {item.module for item in items if set(getattr(item, "fixturenames", ())) & set(Prebuilds.FIXTURES)}
+    items[:] = [i for i in items if i.module not in late] + [i for i in items if i.module in late]
     cuda = None
     for item in items:
         if INTEGRATION in Path(str(item.path)).resolve().parents:
@@ -64,22 +67,85 @@ def clean_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def trained_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The trained tiny target (shop arithmetic, peaked distributions): a few minutes to build, once a session."""
-    from pipeline.demo.tiny_model import build_tiny_target
-
-    return build_tiny_target(tmp_path_factory.mktemp("trained-target"), variant="trained")
+def trained_target(prebuilds: Prebuilds) -> Path:
+    """The trained tiny target (shop arithmetic, peaked distributions): a minute or two to build, once a session,
+    in the background from the session's start."""
+    return prebuilds.result("trained")
 
 
 @pytest.fixture(scope="session")
-def reasoning_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reasoning_target(prebuilds: Prebuilds) -> Path:
     """The reasoning tiny target (multi-step word problems, 100-300 token traces): ~4 minutes to build, once a
-    session. ``TINY_REASONING_DIR`` names a folder to build into (or reuse, when it holds this recipe's build):
-    a developer's shortcut; CI builds it fresh."""
-    from pipeline.demo.tiny_model import build_tiny_target
+    session, in the background from the session's start. ``TINY_REASONING_DIR`` names a folder to build into (or
+    reuse, when it holds this recipe's build): a developer's shortcut; CI builds it fresh."""
+    return prebuilds.result("reasoning")
 
-    folder = os.environ.get("TINY_REASONING_DIR") or tmp_path_factory.mktemp("reasoning-target")
-    return build_tiny_target(folder, variant="reasoning")
+
+# SCHED_IDLE: the build gets the CPU only when nothing else wants it (below nice 19, and below Ray's workers at
+# its default niceness 15); its threads inherit the policy.
+_BUILD = ("import os, sys; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+          "from pipeline.demo.tiny_model import build_tiny_target; build_tiny_target(sys.argv[1], variant=sys.argv[2])")
+
+
+class Prebuilds:
+    """The trained tiny targets, each built by a background process from the session's start, on idle CPU only.
+
+    The trained builds are minutes of CPU each, and the tests before the first one that needs a target leave
+    about a fifth of the machine idle (they wait on servers, Ray and subprocesses): the builds soak that up
+    instead of stalling the suite where a target is first needed. The bytes are those of an in-process build
+    (the build fixes its own thread count; niceness changes when it runs, not what it computes)."""
+
+    FIXTURES = {"trained_target": "trained", "reasoning_target": "reasoning"}
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.procs: dict[str, tuple[Path, subprocess.Popen]] = {}
+
+    def folder(self, variant: str) -> Path:
+        if variant == "reasoning" and os.environ.get("TINY_REASONING_DIR"):
+            return Path(os.environ["TINY_REASONING_DIR"])
+        return self.tmp_path_factory.mktemp(f"{variant}-target")
+
+    def start(self, variant: str) -> None:
+        folder = self.folder(variant)
+        folder.mkdir(parents=True, exist_ok=True)
+        with folder.with_name(folder.name + "-build.log").open("w") as log:  # kept: read it when a build fails
+            # passive OpenMP waits: a thread spinning at a barrier would burn the idle time the build is for
+            proc = subprocess.Popen([sys.executable, "-c", _BUILD, str(folder), variant], cwd=REPO,
+                                    env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[variant] = folder, proc
+
+    def result(self, variant: str) -> Path:
+        """The built folder, once its background build is done. Built here when that build failed (or never
+        started): the error a test then shows is the build's own."""
+        from pipeline.demo.tiny_model import build_tiny_target
+
+        if variant not in self.procs:
+            self.start(variant)
+        folder, proc = self.procs[variant]
+        proc.wait()
+        return build_tiny_target(folder, variant=variant)
+
+    def stop(self) -> None:
+        for _, proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prebuilds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Starts a build for each trained target a collected test uses (none for the fast loop, which uses none)."""
+    builds = Prebuilds(tmp_path_factory)
+    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    for name, variant in Prebuilds.FIXTURES.items():
+        if name in used:
+            builds.start(variant)
+    try:
+        yield builds
+    finally:
+        builds.stop()
 
 
 class RayHead:
