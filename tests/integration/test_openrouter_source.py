@@ -60,6 +60,13 @@ def source_cfg(url: str, **over) -> OpenRouterSourceConfig:
     return OpenRouterSourceConfig.model_validate(base)
 
 
+# For a test that counts requests or bills exactly with no fault injected. The helper's 0.6 s timeout is for the
+# fault tests (their server stalls 1.5 s); on a loaded machine it can fire on an answer the server then finishes
+# and bills, and the retry is a second request and a second bill -- as designed (the ledger charges the first as
+# maybe billed), but not the count such a test checks.
+CALM_TIMEOUT_S = 60.0
+
+
 def fault_server_cfg(**over) -> ServerConfig:
     cfg = ServerConfig(api_key_env=KEY_ENV, padding=8, seed=7, retry_after_s=0.05, timeout_s=1.5,
                        providers=("Alpha", "Beta", "Gamma", "Delta"),
@@ -179,10 +186,7 @@ def test_cost_per_sample_sums_to_the_providers_own_bill(profile, tmp_path):
     log = tmp_path / "bills.jsonl"
     cfg_server = ServerConfig(api_key_env=KEY_ENV, seed=3, bill_log=str(log), prompt_price_per_token=2e-7)
     with serve_in_thread(cfg_server, CannedBackend(2, profile)) as (url, _server):
-        # No fault, and no timeout either: the helper's 0.6 s one fired on a loaded machine (the server shares
-        # this process), and a timed-out request the server finishes is billed twice once retried -- as designed
-        # (the ledger charges it), but then the provider's bill is not the samples' sum this test checks.
-        cfg = source_cfg(url, budgets={"shop": 10**6, "math": 10**6}, request_timeout_s=60.0)
+        cfg = source_cfg(url, budgets={"shop": 10**6, "math": 10**6}, request_timeout_s=CALM_TIMEOUT_S)
         ledger = local_ledger(cfg, strict=True)
         out = run_local(OpenRouterGenerator(cfg, "deepseek", None, ledger, seed=1), rows)
     samples, _, _ = split_outcomes(out)
@@ -205,7 +209,7 @@ def test_cost_per_sample_sums_to_the_providers_own_bill(profile, tmp_path):
 def test_budget_stops_requests_and_a_resumed_run_finishes(profile):
     rows = prompt_rows(30)
     with serve_in_thread(ServerConfig(api_key_env=KEY_ENV), CannedBackend(2, profile)) as (url, server):
-        cfg = source_cfg(url, budgets={"d": 300}, sampling={"max_tokens": 32})
+        cfg = source_cfg(url, budgets={"d": 300}, sampling={"max_tokens": 32}, request_timeout_s=CALM_TIMEOUT_S)
         ledger = local_ledger(cfg, strict=True)
         out = run_local(OpenRouterGenerator(cfg, "deepseek", None, ledger), rows)
         assert_every_prompt_accounted(rows, out)
@@ -308,7 +312,8 @@ def test_account_error_halts_the_source_at_once(profile, caplog, marker, code):
     quarantined (a fixed key or topped-up account makes them work), and the key never shows."""
     rows = prompt_rows(30, markers={3: marker})
     with serve_in_thread(ServerConfig(api_key_env=KEY_ENV), CannedBackend(2, profile)) as (url, server):
-        cfg = source_cfg(url, max_in_flight=1)  # one request at a time: the order is the rows' order
+        # one request at a time: the order is the rows' order
+        cfg = source_cfg(url, max_in_flight=1, request_timeout_s=CALM_TIMEOUT_S)
         ledger = local_ledger(cfg)
         out = run_local(OpenRouterGenerator(cfg, "deepseek", None, ledger), rows)
     assert_every_prompt_accounted(rows, out)
@@ -384,7 +389,7 @@ def test_journaled_responses_are_replayed_not_paid_again(profile, tmp_path):
 
     rows = prompt_rows(12)
     with serve_in_thread(ServerConfig(seed=2), CannedBackend(2, profile)) as (url, server):
-        cfg = source_cfg(url, api_key_required=False)
+        cfg = source_cfg(url, api_key_required=False, request_timeout_s=CALM_TIMEOUT_S)
         first = run_local(OpenRouterGenerator(cfg, "deepseek", None, local_ledger(cfg), layout=RunLayout(tmp_path)),
                           rows)
         assert server.counts["requests"] == 12
