@@ -30,8 +30,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Everything under tests/integration is `slow` (the fast loop is `-m "not slow"`); `gpu` tests skip
     without CUDA. The modules that use a trained target (Prebuilds) run last, in their order: their targets build
     in the background meanwhile."""
-    late = {item.module for item in items if set(getattr(item, "fixturenames", ())) & set(Prebuilds.FIXTURES)}
-    items[:] = [i for i in items if i.module not in late] + [i for i in items if i.module in late]
+    late = {getattr(i, "module", None) for i in items if set(getattr(i, "fixturenames", ())) & set(Prebuilds.FIXTURES)}
+    late.discard(None)
+    items[:] = ([i for i in items if getattr(i, "module", None) not in late]
+                + [i for i in items if getattr(i, "module", None) in late])
     cuda = None
     for item in items:
         if INTEGRATION in Path(str(item.path)).resolve().parents:
