@@ -95,7 +95,7 @@ class Prebuilds:
     The trained builds are minutes of CPU each, and the tests before the first one that needs a target leave
     about a fifth of the machine idle (they wait on servers, Ray and subprocesses): the builds soak that up
     instead of stalling the suite where a target is first needed. The bytes are those of an in-process build
-    (the build fixes its own thread count; niceness changes when it runs, not what it computes)."""
+    (the build fixes its own thread count; the scheduling policy changes when it runs, not what it computes)."""
 
     FIXTURES = {"trained_target": "trained", "reasoning_target": "reasoning"}
 
