@@ -32,8 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     in the background meanwhile."""
     late = {getattr(i, "module", None) for i in items if set(getattr(i, "fixturenames", ())) & set(Prebuilds.FIXTURES)}
     late.discard(None)
-    items[:] = ([i for i in items if getattr(i, "module", None) not in late]
-                + [i for i in items if getattr(i, "module", None) in late])
+    items.sort(key=lambda i: getattr(i, "module", None) in late)  # stable: each group keeps its order
     cuda = None
     for item in items:
         if INTEGRATION in Path(str(item.path)).resolve().parents:
@@ -84,8 +83,10 @@ def reasoning_target(prebuilds: Prebuilds) -> Path:
 
 
 # SCHED_IDLE: the build gets the CPU only when nothing else wants it (below nice 19, and below Ray's workers at
-# its default niceness 15); its threads inherit the policy.
+# its default niceness 15); its threads inherit the policy. Passive OpenMP waits (set before torch loads): a
+# thread spinning at a barrier would burn the idle time the build is for.
 _BUILD = ("import os, sys; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+          "os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'; "
           "from pipeline.demo.tiny_model import build_tiny_target; build_tiny_target(sys.argv[1], variant=sys.argv[2])")
 
 
@@ -112,9 +113,7 @@ class Prebuilds:
         folder = self.folder(variant)
         folder.mkdir(parents=True, exist_ok=True)
         with folder.with_name(folder.name + "-build.log").open("w") as log:  # kept: read it when a build fails
-            # passive OpenMP waits: a thread spinning at a barrier would burn the idle time the build is for
             proc = subprocess.Popen([sys.executable, "-c", _BUILD, str(folder), variant], cwd=REPO,
-                                    env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[variant] = folder, proc
 
