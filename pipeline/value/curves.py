@@ -78,11 +78,15 @@ def _solve(x: np.ndarray, y: np.ndarray, w: np.ndarray, half: float) -> tuple[fl
 
 
 def fit_curve(x: Sequence[float], y: Sequence[float], se: Sequence[float | None] | None = None) -> Curve | str:
-    """See ``_fit``; numbers too extreme to fit are a reason too, never an exception."""
+    """See ``_fit``; numbers too extreme to fit are a reason too, never an exception or a console warning."""
     try:
-        return _fit(x, y, se)
+        with np.errstate(all="ignore"):  # an overflow here ends in a reason below, not in numpy's warning
+            fit = _fit(x, y, se)
     except (ValueError, OverflowError, ZeroDivisionError, np.linalg.LinAlgError) as e:
         return f"the points cannot be fitted ({type(e).__name__}: {e})"
+    if isinstance(fit, Curve) and not all(math.isfinite(v) for v in (fit.a0, fit.gain, fit.half, fit.rmse)):
+        return f"the points cannot be fitted (a coefficient is not finite: {fit})"
+    return fit
 
 
 def _fit(x: Sequence[float], y: Sequence[float], se: Sequence[float | None] | None) -> Curve | str:

@@ -242,7 +242,7 @@ def full_width_step_losses(model, batch, lm_head_draft, ttt_steps, step_decay):
         teacher = batch.final_hidden[rows, cols + k + 1] @ lm_head_draft.T
         loss_k = distill_cross_entropy(model.logits(out[rows, cols]), teacher)
         total, hidden = total + step_decay**k * loss_k, model.carry(out)
-        losses.append(float(loss_k))
+        losses.append(float(loss_k.detach()))
     return total, losses
 
 
