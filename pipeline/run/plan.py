@@ -215,6 +215,18 @@ def run_fragment(cfg: RunConfig, layout: RunLayout, plan: Mapping[str, Any],
     return fragment(cfg, layout, plan, rooms, costs, tokens, request_asks(cfg, layout))
 
 
+def steps_caution(value_steps: Any, training_steps: int | None) -> str | None:
+    """Why the curves may misread this config's drafter, or None: value drafters trained for another number of
+    steps than the drafter the plan buys samples for (in the value bench, 150-step value drafters pointed the
+    plan the wrong way for 500-step drafters, and 500-step ones the right way)."""
+    if training_steps is None or not isinstance(value_steps, int) or isinstance(value_steps, bool) \
+            or value_steps == training_steps:
+        return None
+    return (f"the value drafters trained {value_steps} steps and this config's drafter trains {training_steps}: "
+            "the curves measure what samples teach a drafter of another length. For curves of this drafter, run "
+            f"`python -m pipeline value` again with --steps {training_steps}")
+
+
 def run_plan(cfg: RunConfig, budget_usd: float, mix: Mapping[str, float] | None = None) -> tuple[dict[str, Any],
                                                                                                   list[str]]:
     """The plan (also written to ``value/plan.json``) and its console lines. ``PlanRefused`` or
@@ -228,8 +240,11 @@ def run_plan(cfg: RunConfig, budget_usd: float, mix: Mapping[str, float] | None 
     except (KeyError, TypeError, ValueError):
         raise ValueRefused("value.json has no held-out fraction: run `python -m pipeline value` again") from None
     plan = make_plan(buys, budget_usd, train_share, now)
-    plan |= {"mix": chosen, "no_curve": no_curve, "fragment": run_fragment(cfg, layout, plan, rooms)}
+    caution = steps_caution(value.get("steps"), cfg.training.steps if cfg.training is not None else None)
+    plan |= {"mix": chosen, "no_curve": no_curve, "fragment": run_fragment(cfg, layout, plan, rooms),
+             "cautions": [caution] if caution else []}
     lines = plan_lines(plan) + [f"[plan]   no curve for {k}: {v}" for k, v in no_curve.items()]
+    lines += [f"[plan] ! {c}" for c in plan["cautions"]]
     if plan["fragment"]["datasets"]:
         lines.append(f"[plan] written to {layout.plan}; set these keys on the config's entries of the same name:")
         lines += ["    " + ln for ln in yaml.safe_dump(plan["fragment"], sort_keys=False).splitlines()]

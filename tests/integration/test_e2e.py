@@ -257,7 +257,10 @@ def test_value_curves_and_a_plan_from_the_finished_run(tiny_run, tmp_path, capsy
     assert main(["plan", str(path), "--budget-usd", f"{price * 20:.6g}"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("[plan] $")
+    # value drafters of 4 steps, a config whose drafter trains 40: the plan says its curves may misread it
+    assert "[plan] ! the value drafters trained 4 steps and this config's drafter trains 40" in printed
     plan = json.loads((out / "value" / "plan.json").read_text())
+    assert len(plan["cautions"]) == 1 and "--steps 40" in plan["cautions"][0]
     assert plan["planned_usd"] + plan["unspent_usd"] == pytest.approx(price * 20, rel=1e-4)
     for row in plan["datasets"]:
         assert row["add_usd"] == pytest.approx(row["add_samples"] * row["usd_per_sample"], rel=1e-6)

@@ -135,3 +135,16 @@ def test_the_fragment_raises_a_token_cap_with_the_dollar_cap(tmp_path):
     # c's cap is already far above
     assert src["budgets"] == {"a": 4200 + 2400 + 128, "c": 10**9}
     assert frag["datasets"] == {"a": {"max_rows": 50}, "b": {"max_rows": 45}, "c": {"max_rows": 41}}
+
+
+@pytest.mark.parametrize(("value_steps", "training_steps", "said"), [
+    (150, 500, True), (500, 500, False), (150, None, False), (None, 500, False), ("150", 500, False),
+    (True, 1, False),
+])
+def test_value_drafters_of_another_length_than_the_training_are_named(value_steps, training_steps, said):
+    from pipeline.run.plan import steps_caution
+
+    caution = steps_caution(value_steps, training_steps)
+    assert (caution is not None) == said
+    if said:
+        assert f"trained {value_steps} steps" in caution and f"--steps {training_steps}" in caution
