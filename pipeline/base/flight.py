@@ -8,7 +8,7 @@ the prompt to an overflow source past the deadline), ``start_error_source`` and 
 (an engine that failed to start and why, set on the rows it could not serve),
 ``attempts`` (requests an HTTP source made for the row) and ``failure_class``
 (why a row is left to do or quarantined: ``transient``, ``sample``, ``account``,
-``budget``). A row never
+``budget``, ``config``, ``engine``). A row never
 disappears: a stage that cannot handle it marks it and passes it on.
 """
 
@@ -34,7 +34,7 @@ FLIGHT_SCHEMA = pa.schema([
     pa.field("start_error_source", pa.string()),
     pa.field("start_error", pa.string()),
     pa.field("attempts", pa.int32()),
-    pa.field("failure_class", pa.string()),  # why a row is not ok: transient | sample | account | budget
+    pa.field("failure_class", pa.string()),  # why not ok: transient | sample | account | budget | config | engine
 ])
 
 # What the writer hands back to the driver per row: the small columns it tallies (counts, audit figures,

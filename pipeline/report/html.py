@@ -549,6 +549,8 @@ def _attention(report: dict[str, Any]) -> str:
     for name, src in (report.get("sources") or {}).items():
         if src.get("start_error"):
             lines.append(f"source {name} failed to start: {src['start_error'][:300]}")
+        elif src.get("engine_error"):
+            lines.append(f"source {name} left prompts to do: {src['engine_error'][:300]}")
     if not lines:
         return ""
     return "<div class=attention><b>Needs attention</b><ul>" + "".join(

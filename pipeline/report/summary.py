@@ -59,6 +59,7 @@ class Tally:
         self.t0 = time.perf_counter()
         self.snapshot = GenerateSnapshot(0, total, 0, 0, 0, 0, 0.0, 0.0, estimated)
         self.start_errors: dict[str, str] = {}  # source -> why its engine did not start
+        self.engine_errors: dict[str, str] = {}  # source -> why its engine left prompts to do (the first reason)
         self.served: Counter = Counter()  # source -> samples it generated (this attempt)
         self.spilled: Counter = Counter()  # local source -> its prompts an overflow source took past the deadline
         self.left: Counter = Counter()  # (source, why) -> prompts left not generated (a re-run does them)
@@ -83,6 +84,8 @@ class Tally:
             self.asked[row.get("source") or ""] += 1
         if row["status"] == "not_generated":
             self.left[(row.get("source") or "", row.get("failure_class") or "transient")] += 1
+            if row.get("failure_class") == "engine":
+                self.engine_errors.setdefault(row.get("source") or "", row.get("reason") or "")
         self.tokens += generated or 0
         self.cost += row.get("cost") or 0.0
         if row.get("checks_ran"):
@@ -153,10 +156,12 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout,
 
 def source_report(sources: list[Any], tally: Tally) -> dict[str, dict[str, Any]]:
     """Per configured source, this attempt: samples it generated, prompts it spilled past the overflow
-    deadline, prompts it left to do (by why), and, when its engine failed to start, why."""
+    deadline, prompts it left to do (by why), when its engine failed to start, why, and when its engine left
+    prompts to do, the first reason."""
     out = {s.name: {"kind": s.kind, "served": tally.served[s.name], "spilled": tally.spilled[s.name],
                     "left_to_do": {why: n for (name, why), n in sorted(tally.left.items()) if name == s.name},
-                    "start_error": tally.start_errors.get(s.name)} for s in sources}
+                    "start_error": tally.start_errors.get(s.name),
+                    "engine_error": tally.engine_errors.get(s.name)} for s in sources}
     for name, n in tally.requests.items():
         if name in out:  # requests per row, as the rows report them (the ledger counts sent/settled/released)
             out[name] |= {"requests": n, "retried": n - tally.asked[name]}
@@ -223,7 +228,7 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         spilled = f", {src['spilled']} spilled past the overflow deadline" if src.get("spilled") else ""
         lines.append(f"  source {name} ({src['kind']}) generated {src.get('served', 0)}{spilled}")
         if src.get("start_error"):
-            lines.append(f"  source {name} failed to start (its prompts re-routed or quarantined): "
+            lines.append(f"  source {name} failed to start (its prompts handed on or left to do): "
                          f"{src['start_error'][:200]}")
     for name, spend in (r.get("spend") or {}).items():
         lines.append(f"  spend {name}: {json.dumps(spend.get('datasets', spend), default=str)[:300]}")
@@ -278,6 +283,10 @@ def attention_lines(r: dict[str, Any]) -> list[str]:
                 else "the account"
             out.append(f"  ! source {name}: stopped: {halted or 'account error'} — {sum(left.values())} prompts "
                        f"left to do; fix {fix} and re-run to resume")
+        elif left.get("engine"):
+            why = src.get("start_error") and f"engine failed to start: {src['start_error']}" or src.get("engine_error")
+            out.append(f"  ! source {name}: {(why or 'engine error')[:200]} — {left['engine']} prompts left to do; "
+                       "fix the engine (model folder, memory, packages) and re-run to resume")
         elif left.get("transient"):
             out.append(f"  ! source {name}: API failing (network, timeouts or 5xx) — {left['transient']} prompts "
                        "left to do; re-run to resume")

@@ -187,11 +187,41 @@ def test_engine_that_fails_to_start_fails_over_its_rows_not_the_run(tmp_path):
             assert (r["status"], r["source"], r["reason"]) == ("ok", "api", "")
             assert r["start_error_source"] is None and r["start_error"] is None
 
-    alone = TransformersGenerator(str(folder), "deepseek", GREEDY, HF)  # no next source: quarantine
+    alone = TransformersGenerator(str(folder), "deepseek", GREEDY, HF)  # no next source: left to do, not lost
     out = alone(rows_to_table([dict(r, source="hf") for r in rows])).to_pylist()
-    assert all((r["status"], r["stage"], r["source"]) == ("quarantine", "generate", "hf") for r in out)
+    assert all((r["status"], r["stage"], r["source"], r["failure_class"]) == ("not_generated", "generate", "hf",
+                                                                              "engine") for r in out)
     assert all(r["reason"] == f"{START_FAILED}: {alone.start_error}" for r in out)
     assert (out[0]["start_error_source"], out[0]["start_error"]) == ("hf", alone.start_error)
+
+
+def unload(stage: TransformersGenerator) -> None:
+    """Empty the engine's weights in place, as a crashed or unloaded engine leaves them."""
+    for p in stage.model.parameters():
+        p.data = p.data.new_empty(0)
+
+
+def test_an_engine_that_fails_every_prompt_leaves_them_to_do_and_serves_no_more(tiny_target, flight_rows):
+    """A batch that fails, each prompt alone too, says the engine is broken, not the prompts: they are left to
+    do (a re-run does them), and the actor leaves every later row to do without asking the engine again."""
+    stage = TransformersGenerator(str(tiny_target), "deepseek", GREEDY, HF)
+    unload(stage)  # the engine's weights are gone: every generate call raises
+    out = stage(rows_to_table(fresh(flight_rows[:3]))).to_pylist()
+    assert [r["sample_id"] for r in out] == [r["sample_id"] for r in flight_rows[:3]]
+    assert all((r["status"], r["stage"], r["source"], r["failure_class"]) == ("not_generated", "generate", "hf",
+                                                                              "engine") for r in out)
+    assert stage.halted and stage.halted.startswith("engine error: ") and "each alone too" in stage.halted
+    assert all(r["reason"] == stage.halted and r["output_ids"] is None for r in out)
+    stage.model = None  # a later batch never reaches the engine (it would raise another error here)
+    later = stage(rows_to_table(fresh(flight_rows[3:5]))).to_pylist()
+    assert all((r["status"], r["failure_class"], r["reason"]) == ("not_generated", "engine", stage.halted)
+               for r in later)
+
+    single = TransformersGenerator(str(tiny_target), "deepseek", GREEDY, HF)
+    unload(single)
+    (one,) = single(rows_to_table(fresh(flight_rows[:1]))).to_pylist()  # one prompt alone: the engine or it?
+    assert (one["status"], one["failure_class"]) == ("not_generated", "engine") and single.halted is None
+    assert one["reason"].startswith("engine error: ")
 
 
 def test_start_errors_are_one_capped_line_without_tokens(monkeypatch):

@@ -159,12 +159,15 @@ def test_a_source_that_fails_to_start_loses_no_prompt(repo_root, tiny_target, ra
     assert error.startswith("AttributeError: ") and "no_such_dtype" in error
     assert report["sources"]["hf"]["start_error"] is None
 
-    report, samples, quarantine = go(reroute=False)
-    assert (report["rows_in"], report["passed"], report["quarantined"], report["not_generated"]) == (4, 0, 4, 0)
-    assert not samples and len({r["sample_id"] for r in quarantine}) == 4
-    assert all((r["stage"], r["source"]) == ("generate", "hf-broken") for r in quarantine)
-    assert all(r["reason"] == f"engine failed to start: {error}" for r in quarantine)
+    report, samples, quarantine = go(reroute=False)  # no source to hand them to: left to do, a re-run does them
+    assert (report["rows_in"], report["passed"], report["quarantined"], report["not_generated"]) == (4, 0, 0, 4)
+    assert not samples and not quarantine
     assert report["sources"]["hf-broken"]["start_error"] == error
+    assert report["sources"]["hf-broken"]["left_to_do"] == {"engine": 4}
+    from pipeline.report.summary import attention_lines
+
+    (line,) = attention_lines(report)
+    assert line.startswith(f"  ! source hf-broken: engine failed to start: {error[:40]}") and "4 prompts left" in line
 
 
 def test_overflow_spills_prompts_a_late_local_engine_has_not_started(repo_root, tiny_target, ray_session, api_url,

@@ -4,17 +4,21 @@ An engine source receives in-flight rows (pipeline.base.flight) and serves only 
 addressed to it (``source`` is its name, or empty in a one-source run); every
 other row passes through untouched, so several sources can sit in one chain. The
 engine's own output ids are the ground truth: nothing is re-tokenized. A failure
-never loses a row: an engine error on a batch is isolated by retrying its rows one
-at a time, and a row that still fails is handed to the next source the router
-names (status ``reroute``) or quarantined at stage ``generate`` with the error.
-``on_error: raise`` instead re-raises so Ray retries the task.
+never loses a row, and only a prompt's own failure quarantines it: an engine error
+on a batch is isolated by retrying its rows one at a time; a row that still fails
+while others of its batch pass is the prompt's fault (it would fail again) and is
+handed to the next source the router names (status ``reroute``) or quarantined at
+stage ``generate`` with the error. When every row fails alone too, the engine is
+at fault: the rows are handed on or left to do (``failure_class`` ``engine``) and
+the actor serves no more rows of its own (each later one handed on or left to
+do), so a re-run does them once the engine is fixed. ``on_error: raise`` instead
+re-raises so Ray retries the task.
 
 An engine that fails to start (bad model folder, CUDA OOM, package missing) does
 not take the run down: the actor records the error (type and message, tokens
-blanked), logs it once, and fails every row addressed to it with reason ``engine
-failed to start: ...`` and the ``start_error`` columns set, so those rows follow
-the same re-route-or-quarantine path. With ``on_error: raise`` the start error is
-raised as before.
+blanked), logs it once, and hands every row addressed to it on, or leaves it to
+do, with reason ``engine failed to start: ...`` and the ``start_error`` columns
+set. With ``on_error: raise`` the start error is raised as before.
 
 A subclass implements ``start`` (once per actor) and ``generate_rows``.
 """
@@ -34,7 +38,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.base.config import SamplingConfig
-from pipeline.base.flight import NextSource, batch_to_rows, fail_row, rows_to_table, served, serves
+from pipeline.base.flight import NextSource, batch_to_rows, fail_row, leave_to_do, rows_to_table, served, serves
 from pipeline.generate.sources.engines.config import EngineSourceConfig
 from pipeline.generate.sources.http.wire import redact
 from pipeline.profiles import load_profile
@@ -42,6 +46,7 @@ from pipeline.profiles import load_profile
 log = logging.getLogger(__name__)
 
 START_FAILED = "engine failed to start"
+ENGINE = "engine"  # failure_class of rows an engine's own failure left to do (a re-run does them)
 TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "OPENROUTER_API_KEY")  # blanked out of start errors
 
 
@@ -110,6 +115,7 @@ class EngineSource:
         self.router = router
         self.model_name = os.path.basename(model_dir.rstrip("/"))
         self.start_error: str | None = None
+        self.halted: str | None = None  # why this actor's engine serves no more rows (it failed every prompt)
         try:
             self.preflight()
             self.profile = load_profile(profile, model_dir)
@@ -118,7 +124,7 @@ class EngineSource:
             if cfg.on_error == "raise":
                 raise
             self.start_error = start_error_text(e)
-            log.error("source %r (%s): %s: %s; its rows go to their next source or quarantine\n%s",
+            log.error("source %r (%s): %s: %s; its rows go to their next source or are left to do\n%s",
                       self.source_name, self.kind, START_FAILED, self.start_error,
                       "".join(traceback.format_tb(e.__traceback__)).rstrip())
 
@@ -157,8 +163,8 @@ class EngineSource:
             if spill is not None and spill(r, self.source_name, time.time()):
                 continue  # past the overflow deadline: an overflow source takes it
             if self.start_error is not None:
-                fail_row(r, f"{START_FAILED}: {self.start_error}", self.source_name, self.router,
-                         start_error=self.start_error)
+                r.update(start_error_source=self.source_name, start_error=self.start_error)
+                self._leave(r, f"{START_FAILED}: {self.start_error}")
                 continue
             if len(r["prompt_ids"]) >= self.cfg.max_model_len:
                 fail_row(r, f"prompt of {len(r['prompt_ids'])} tokens does not fit max_model_len "
@@ -170,30 +176,54 @@ class EngineSource:
         return rows_to_table(rows)
 
     def _serve(self, rows: list[dict[str, Any]]) -> None:
+        if self.halted is not None:
+            for r in rows:
+                self._leave(r, self.halted)
+            return
+        error = self._attempt(rows)
+        if error is None:
+            return
+        if self.cfg.on_error == "raise":
+            raise error
+        why = f"engine error: {start_error_text(error)}"
+        if self.cfg.isolate_errors and len(rows) > 1:  # one bad prompt must not take its batch with it
+            failed = [(r, e) for r, e in ((r, self._attempt([r])) for r in rows) if e is not None]
+            if len(failed) < len(rows):  # the others passed alone: these prompts fail, and would again
+                for r, e in failed:
+                    fail_row(r, f"engine error: {start_error_text(e)}", self.source_name, self.router)
+                return
+            self.halted = f"{why} (on every prompt of a batch, each alone too: the engine, not the prompts)"
+            log.error("source %r (%s): %s; its rows from now on go to their next source or are left to do",
+                      self.source_name, self.kind, self.halted)
+            why = self.halted
+        for r in rows:  # a whole batch failed: nothing says it was these prompts, so they may pass on a re-run
+            self._leave(r, why)
+
+    def _attempt(self, rows: list[dict[str, Any]]) -> Exception | None:
+        """Generate ``rows`` in one engine call and fill them; the exception instead, the rows untouched."""
         t0 = time.perf_counter()
         try:
             results = self.generate_rows(rows)
-        except Exception as e:
-            if self.cfg.on_error == "raise":
-                raise
-            if self.cfg.isolate_errors and len(rows) > 1:  # one bad prompt must not take its batch with it
-                for r in rows:
-                    self._serve([r])
-                return
-            for r in rows:
-                fail_row(r, f"engine error: {type(e).__name__}: {e}", self.source_name, self.router)
-            return
+        except Exception as e:  # noqa: BLE001 - whatever the engine raised decides the rows' fate in _serve
+            return e
         busy = time.perf_counter() - t0
         shares = busy_shares(busy * self.cfg.devices(), [len(r["prompt_ids"]) for r in rows],
                              [None if res.error is not None else res.ids for res in results])
         for r, res, share in zip(rows, results, shares, strict=True):
             self._provenance(r)
-            if res.error is not None or res.ids is None:
+            if res.error is not None or res.ids is None:  # the engine's own verdict on this one prompt
                 fail_row(r, f"engine error: {res.error or 'no output ids'}", self.source_name, self.router)
                 continue
             fill_from_engine(r, self.profile, res.ids, res.finish, res.seconds)
             r["engine_s"] = share
             served(r, self.source_name)
+        return None
+
+    def _leave(self, row: dict[str, Any], reason: str) -> None:
+        """Hand a row on, or leave it to do: the engine failed it, not its prompt."""
+        leave_to_do(row, reason, self.source_name, self.router)
+        if row["status"] == "not_generated":  # a handed-on row's next source sets its own outcome
+            row["failure_class"] = ENGINE
 
     def _provenance(self, row: dict[str, Any]) -> None:
         row.update(source=self.source_name, source_kind=self.kind, provider=self.kind, model=self.model_name,
