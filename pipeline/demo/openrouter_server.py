@@ -45,9 +45,10 @@ RANDOM_FAULTS = ("429", "502", "503", "timeout", "200-error", "empty-choices", "
                  "empty-content", "null-content", "cutoff", "content-parts", "choices-object", "usage-string",
                  "proxy-524")
 # Per-prompt markers: a fixed HTTP status every time, "always-<fault>" for a random fault kind every
-# time, echo-key (a 401 whose message repeats the presented key, as a careless gateway might), and
-# moderation (a 403 flagging this input, with metadata.reasons and flagged_input, billed nothing).
-MARKER_FAULTS = frozenset({"400", "401", "402", "403", "echo-key", "moderation"} |
+# time, echo-key (a 401 whose message repeats the presented key, as a careless gateway might),
+# moderation (a 403 flagging this input, with metadata.reasons and flagged_input, billed nothing), and
+# context (OpenRouter's context-length 400, as for a prompt too long for the model).
+MARKER_FAULTS = frozenset({"400", "401", "402", "403", "echo-key", "moderation", "context"} |
                           {f"always-{k}" for k in RANDOM_FAULTS})
 _MARKER = re.compile(r"\[\[fault:([a-z0-9-]+)\]\]")
 STATUS_TEXT = {400: "Bad Request", 401: "User not found.", 402: "Insufficient credits", 403: "Flagged by moderation",
@@ -80,6 +81,9 @@ class ServerConfig:
     credits_tokens: int | None = None
     # Models with an endpoint; a request for any other gets 404 "No endpoints found" (empty: every model).
     known_models: tuple[str, ...] = ()
+    # The model's context in tokens: a request whose max_tokens and (estimated) prompt do not fit gets
+    # OpenRouter's context-length 400 (None: no limit). The "context" marker gets it whatever the sizes.
+    context_tokens: int | None = None
     # While this file exists, every chat request waits (counted in "requests", not yet answered or billed): a
     # provider that stalls, which a test lifts when it is ready (e.g. once a pool has grown onto a new node).
     hold_file: str | None = None
@@ -497,6 +501,16 @@ class OpenRouterLikeServer:
             fault = draw_fault(self.cfg.rates, self.rng)
         if fault == "echo-key":
             return self._error(401, f"Invalid credentials: {request.headers.get('Authorization', '')}")
+        asked = max_tokens if isinstance(max_tokens, int) else 0
+        text = sum(len(m["content"]) // 4 + 1 for m in body["messages"] if isinstance(m, dict)
+                   and isinstance(m.get("content"), str))
+        ctx = self.cfg.context_tokens
+        if fault == "context" or (ctx is not None and text + asked > ctx):
+            ctx = ctx or text
+            return self._error(400, f"This endpoint's maximum context length is {ctx} tokens. However, you requested "
+                               f"about {text + asked} tokens ({text} of text input, {asked} in the output). Please "
+                               "reduce the length of either one, or use the \"middle-out\" transform to compress "
+                               "your prompt automatically.")
         if fault in ("400", "401", "402", "403"):
             code = int(fault)
             return self._error(code, STATUS_TEXT[code])

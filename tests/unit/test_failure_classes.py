@@ -34,7 +34,11 @@ def test_signatures_tell_a_config_error_from_prompts_too_long():
     assert a.signature is not None and a.signature == b.signature
     long_ = interpret(400, b'{"error": {"code": 400, "message": "This model\'s maximum context length is 8192 '
                            b'tokens, you requested 9000"}}')
-    assert long_.failure_class == "sample" and long_.signature is None  # each too-long prompt is its own fault
+    longer = interpret(400, b'{"error": {"code": 400, "message": "This model\'s maximum context length is 8192 '
+                            b'tokens, you requested 12000"}}')
+    # one signature for every too-long prompt: the streak tells max_tokens past the context (every prompt) from
+    # one long prompt among answered ones (its own fault)
+    assert long_.failure_class == "sample" and long_.signature is not None and long_.signature == longer.signature
 
 
 def test_in_band_errors_and_cut_bodies():

@@ -88,6 +88,39 @@ def test_one_bad_prompt_among_good_ones_is_still_quarantined(profile):
     assert ledger.report()["halted"] is None
 
 
+@pytest.mark.parametrize(("what", "server_over", "markers"), [
+    ("max_tokens past the context", {"context_tokens": 24}, None),  # every prompt: 32 output tokens asked
+    ("no detail", {}, "400"),  # "Bad Request" on every prompt (a setting some upstream rejects, say)
+    ("a malformed answer", {}, "always-choices-object"),  # an endpoint that is not what base_url should be
+])
+def test_the_same_refusal_on_every_prompt_halts_as_config_and_quarantines_nothing(profile, what, server_over,
+                                                                                 markers):
+    """A refusal that could be a prompt's own (too long, no detail, a malformed answer) but comes back for every
+    prompt is the config's: the source halts, every row left to do, none quarantined for good."""
+    rows = rows_(10, markers=dict.fromkeys(range(10), markers) if markers else None)
+    with serve_in_thread(ServerConfig(seed=11, **server_over), CannedBackend(1, profile)) as (url, _):
+        ledger = Ledger()
+        out = run(OpenRouterGenerator(cfg_(url), "deepseek", None, ledger), rows)
+    assert Counter(r["status"] for r in out.values()) == {"not_generated": 10}, what
+    assert {r["failure_class"] for r in out.values()} == {"config"}
+    assert ledger.report()["halted"].startswith("config error")
+
+
+@pytest.mark.parametrize("marker", ["context", "400", "always-choices-object"])
+def test_one_prompt_refused_so_among_answered_ones_is_its_own_fault(profile, marker):
+    """The same refusal on one prompt while the others are answered: that prompt's own (quarantined), after
+    retries where the refusal says nothing yet (no detail, a malformed answer)."""
+    rows = rows_(8, markers={5: marker})
+    with serve_in_thread(ServerConfig(seed=12), CannedBackend(1, profile)) as (url, server):
+        ledger = Ledger()
+        out = run(OpenRouterGenerator(cfg_(url, max_in_flight=2), "deepseek", None, ledger), rows)
+        counts = dict(server.counts)
+    assert out["d:5"]["status"] == "quarantined" and out["d:5"]["failure_class"] == "sample", out["d:5"]
+    assert Counter(r["status"] for r in out.values()) == {"ok": 7, "quarantined": 1}
+    assert out["d:5"]["attempts"] == (1 if marker == "context" else 3)
+    assert ledger.report()["halted"] is None, counts
+
+
 def test_a_moderation_403_quarantines_that_prompt_and_the_source_goes_on(profile):
     rows = rows_(6, markers={2: "moderation"})
     with serve_in_thread(ServerConfig(seed=3), CannedBackend(1, profile)) as (url, _):
@@ -208,7 +241,7 @@ def test_a_failure_billed_in_dollars_only_is_settled_not_released(profile, monke
     from pipeline.generate.sources.http import engine as http_engine
     from pipeline.generate.sources.http.wire import Failure
 
-    def billed_error(status, raw, retry_after):  # finish_reason "error", 0 completion tokens, usage.cost 0.004
+    def billed_error(status, raw, retry_after, key):  # finish_reason "error", 0 completion tokens, usage.cost 0.004
         return Failure("in_band", "finish_reason error: upstream", True, 200, None, "P", 0, 0.004)
 
     monkeypatch.setattr(http_engine, "_interpret", billed_error)

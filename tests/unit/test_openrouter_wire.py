@@ -280,9 +280,12 @@ def with_message(**fields) -> dict:
     (with_message(content=[{"type": "text", "text": "a"}, "b"]), "content[1] is a string, expected a content part"),
     (with_message(content=[{"type": "text", "text": None}]), "content[0].text is null"),
 ])
-def test_wrong_shapes_are_sample_failures_naming_the_field(body, field):
+def test_wrong_shapes_are_sample_failures_naming_the_field_retried_first(body, field):
+    """One provider's malformed answer: retried first (a retry may be routed to another provider), judged by the
+    config streak only when it repeats, under one signature for every prompt answered so."""
     f = interpret(200, json.dumps(body))
     assert isinstance(f, Failure) and f.failure_class == "sample" and not f.retryable, f
+    assert f.shape and f.retry_first and f.signature and f.signature.startswith("200 "), f
     assert field in f.message
     assert (f.billed, f.cost, f.provider) == (5, 0.01, "Alpha")  # what the answer cost is still counted
 
@@ -395,8 +398,18 @@ def test_signatures_collapse_what_varies_per_prompt():
     one = sig(400, "Request req-163840 rejected: top_k 200312 is out of range")
     two = sig(400, "Request req-99 rejected: top_k 170001 is out of range")
     assert one == two and one.startswith("400 ") and "163840" not in one
-    # a prompt too long for the model is each prompt's own fault: no signature, never a config halt
-    assert sig(400, "This endpoint's maximum context length is 163840 tokens. You requested 200312 tokens.") is None
+    # a prompt too long for the model: one signature for every prompt, so max_tokens past the context (every
+    # prompt refused) halts as a config error, while a long prompt among answered ones is its own fault
+    assert sig(400, "This endpoint's maximum context length is 163840 tokens. You requested 200312 tokens.") == \
+        sig(400, "This endpoint's maximum context length is 163840 tokens. You requested 200145 tokens.") is not None
+    assert not interpret(400, json.dumps({"error": {"code": 400, "message": "Provider returned error"}})).retryable
+    for vague in ("Provider returned error", "Bad Request"):  # no detail: retried before any verdict
+        f = interpret(400, json.dumps({"error": {"code": 400, "message": vague, "metadata": {"provider_name": "P"}}}))
+        assert f.failure_class == "sample" and f.signature and f.retry_first
+    assert not interpret(400, json.dumps({"error": {"code": 400, "message": "Unknown parameter foo"}})).retry_first
+    for status in (204, 302, 600):  # neither a client error nor a server's: says nothing of the prompt or config
+        f = interpret(status, b"")
+        assert f.failure_class == "transient" and f.signature is None
     assert sig(422, 'Invalid value "abc-1" for field tools') == sig(422, 'Invalid value "zz" for field tools')
     assert sig(400, "provider: unrecognized keys ['orderr']") != sig(404, "provider: unrecognized keys ['orderr']")
     assert sig(400, "Unknown parameter foo") != sig(400, "Unknown parameter bar")
@@ -404,3 +417,14 @@ def test_signatures_collapse_what_varies_per_prompt():
         assert sig(status, "x") is None
     assert interpret(200, b'{"id": "gen-1", "choices": [').signature is None
     assert Failure("network", "refused", True).signature is None
+
+
+@pytest.mark.parametrize("pad", [470, 480, 490, 495, 499])
+def test_a_key_echoed_where_the_message_is_cut_leaves_no_part_of_it(pad):
+    """The key is blanked before the message is clipped: a cut through it would leave its first characters,
+    which no exact match finds afterwards."""
+    key = "local-gw-7f3a9c2e1b8d4a6f0e5c"
+    body = json.dumps({"error": {"code": 401, "message": "x" * pad + f" invalid api key: {key}"}})
+    for status, raw in ((401, body), (200, body)):
+        f = interpret(status, raw, secrets=(key,))
+        assert isinstance(f, Failure) and key[:6] not in f.message, f.message

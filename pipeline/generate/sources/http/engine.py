@@ -188,6 +188,7 @@ class HttpEngine:
         self._config_reason = ""
         self._usd_bounds = [0.0, 0.0]  # the dearest price seen per prompt token and per completion token
         self._answered = False  # the API answered something other than a transient failure (it is up)
+        self._answers = 0  # answers with a completion so far
         self.circuit = Circuit(cfg.circuit_failures, cfg.circuit_cooldown_s, cfg.circuit_max_cooldown_s,
                                cfg.circuit_give_up_s)
         self.stats = {"requests": 0, "retries": 0, "replayed": 0, OK: 0, QUARANTINED: 0, NOT_GENERATED: 0}
@@ -261,6 +262,7 @@ class HttpEngine:
             return replayed
         last: Failure | None = None
         attempts = 0
+        answered_before = self._answers  # another prompt answered while this one fails: the API takes the config
         wait_s = self.cfg.budget_poll_s
         waited = 0.0
         while attempts < self.cfg.max_attempts:
@@ -306,6 +308,7 @@ class HttpEngine:
             if attempt.reply is not None:
                 self.circuit.record(True, time.monotonic())
                 self._answered = True
+                self._answers += 1
                 self._end_streak("prompt")
                 return self._sample(row, attempt, attempts, thinking)
             last = attempt.failure
@@ -318,10 +321,14 @@ class HttpEngine:
                 await self.ledger.halt(reason)
                 log.error("source %r stops sending: %s", self.source_name, reason)
                 return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {reason}", "account")
-            if cls == "sample":
+            if cls == "sample" and last.retry_first and attempts < self.cfg.max_attempts:
+                pass  # retried below: only the same answer on every attempt is the prompt's or the config's
+            elif cls == "sample":
                 signature = last.signature
                 if signature is None:
                     self._end_streak("prompt")  # another answer: 4xx prompts waiting were their own fault
+                    return self._quarantined(row, attempts, last)
+                if last.retry_first and self._answers > answered_before:  # the same each time, others answered
                     return self._quarantined(row, attempts, last)
                 verdict = await self._judge_4xx(str(row["sample_id"]), signature, last)
                 if verdict == "prompt":
@@ -416,7 +423,7 @@ class HttpEngine:
         try:
             async with session.post(self.url, data=dumps(body)) as resp:
                 raw = await resp.read()
-                result = _interpret(resp.status, raw, resp.headers.get("Retry-After"))
+                result = _interpret(resp.status, raw, resp.headers.get("Retry-After"), self._key.get())
         except TimeoutError:
             result = Failure("timeout", f"no complete answer within {self.cfg.request_timeout_s:g}s", True,
                              maybe_billed=True)
@@ -573,10 +580,10 @@ class HttpEngine:
         return redact(text, [self._key.get()])
 
 
-def _interpret(status: int, raw: bytes, retry_after: str | None) -> Reply | Failure:
+def _interpret(status: int, raw: bytes, retry_after: str | None, key: str) -> Reply | Failure:
     """``interpret``, with a bug in it an outcome too: the bill is unknown, the row stays to do."""
     try:
-        return interpret(status, raw, retry_after)
+        return interpret(status, raw, retry_after, secrets=(key,))
     except Exception as e:  # noqa: BLE001 - interpret is total by contract; this only guards against a bug in it
         log.error("interpret raised on a %s answer (%d bytes)", status, len(raw or b""), exc_info=True)
         return Failure("body", f"unreadable answer ({type(e).__name__})", True, status, maybe_billed=True)

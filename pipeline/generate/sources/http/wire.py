@@ -13,7 +13,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -125,6 +125,7 @@ class Failure:
     ``maybe_billed``: the request reached the provider and its bill is unknown (a cut body, a timeout, a
     connection dropped after sending, an error body without usage); the budget keeps the whole reservation.
     ``klass``: set where the status alone misleads (a moderation 403 refuses one prompt, not the account).
+    ``shape``: a complete answer of the wrong shape (see ``retry_first``).
     """
 
     kind: str  # http | in_band | body | network | timeout
@@ -137,6 +138,7 @@ class Failure:
     cost: float = 0.0
     maybe_billed: bool = False
     klass: FailureClass | None = None
+    shape: bool = False
 
     @property
     def failure_class(self) -> FailureClass:
@@ -156,13 +158,22 @@ class Failure:
         prompt, so a run of identical ones can be told from prompts that are each wrong in their own way.
         """
         s = self.status
+        if self.shape and self.failure_class == "sample":  # an endpoint that answers every prompt so: the config's
+            return f"{s or 200} {_normalise(self.message)}"
         if s is None or not 400 <= s < 500 or s in RETRYABLE_STATUS or s in ACCOUNT_STATUS:
             return None
-        if _PROMPT_OWN.search(self.message):
-            return None  # a prompt too long for the model is that prompt's own fault, however many there are
-        if _GENERIC.fullmatch(self.message.strip()):
-            return None  # "Provider returned error" with no detail says nothing about what is wrong
+        # Also a prompt too long for the model: on every prompt it is the config's (a max_tokens past the
+        # model's context, a model of too small a context), so it too waits for the streak's verdict.
         return f"{s} {_normalise(self.message)}"
+
+    @property
+    def retry_first(self) -> bool:
+        """A sample failure that does not yet say the prompt is at fault: a client error with no detail
+        ("Provider returned error", "Bad Request") or a malformed answer (one provider's bad answer, which a retry
+        may route to another). It is retried; only the same on every attempt is the prompt's or the config's."""
+        if self.signature is None:
+            return False
+        return self.shape or _GENERIC.fullmatch(self.message.strip()) is not None
 
     @property
     def against_provider(self) -> bool:
@@ -177,24 +188,23 @@ class Failure:
         return f"{self.kind}{code}{where}: {self.message}"
 
 
-_PROMPT_OWN = re.compile(r"(?i)context[ _-]?(length|window)|too (long|many tokens)|maximum (context|prompt)|"
-                         r"prompt is too|input is too|reduce the length")
-
-
 _GENERIC = re.compile(r"(?i)(provider returned error|bad request|error|unknown error|no detail)\.?")
 
 
 class _BadShape(ValueError):
-    """A complete answer of the wrong shape: it would come back the same on retry."""
+    """A complete answer of the wrong shape (``Failure.shape``)."""
 
 
 def interpret(status: int, raw: bytes | str, retry_after_header: str | None = None,
-              now: float | None = None) -> Reply | Failure:
+              now: float | None = None, secrets: Sequence[str | None] = ()) -> Reply | Failure:
     """Classify one HTTP answer; total: every status and body is a Reply or a Failure, never an exception.
 
     Leading whitespace padding before the JSON is tolerated. A cut, empty or non-JSON body may pass on
-    retry (transient); complete JSON of the wrong shape would come back the same (sample, the reason
-    names the field). Odd metadata (id, model, provider, usage numbers) is read as unknown, not refused.
+    retry (transient); complete JSON of the wrong shape is a sample failure marked ``shape`` (the reason
+    names the field): retried first, as one provider's bad answer may be, and judged only when it repeats.
+    Odd metadata (id, model, provider, usage numbers) is read as unknown, not refused. ``secrets`` (and
+    bearer tokens, OpenRouter-style keys) are blanked out of every message before it is clipped, so no cut
+    leaves part of one behind.
     """
     retry_after = parse_retry_after(retry_after_header, now)
     try:
@@ -202,22 +212,22 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
     except (*JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         payload = None
         if status == 200:  # typically a body cut mid-way: the provider finished (and billed) the generation
-            return Failure("body", f"response is not JSON ({e.__class__.__name__}: {_clip(str(e))})", True, 200,
-                           maybe_billed=True)
+            return Failure("body", f"response is not JSON ({e.__class__.__name__}: {_say(str(e), secrets)})",
+                           True, 200, maybe_billed=True)
     if status != 200:
-        return _http_failure(status, payload, raw, retry_after)
+        return _http_failure(status, payload, raw, retry_after, secrets)
     if payload is None:
         return Failure("body", "empty response body", True, 200, maybe_billed=True)
     if not isinstance(payload, dict):
         return Failure("body", f"response body is {_kind(payload)}, expected an object", False, 200,
-                       maybe_billed=True)
+                       maybe_billed=True, shape=True)
     provider = _name(payload.get("provider"))
     billed, cost = _usage(payload.get("usage"))
 
     def fail(message: str, retryable: bool, code: int | None = 200, who: str = provider,
-             klass: FailureClass | None = None) -> Failure:
-        return Failure("in_band", _clip(message), retryable, code, retry_after, who, max(billed, 0), cost,
-                       billed < 0, klass)
+             klass: FailureClass | None = None, shape: bool = False) -> Failure:
+        return Failure("in_band", _say(message, secrets), retryable, code, retry_after, who, max(billed, 0), cost,
+                       billed < 0, klass, shape)
 
     err = payload.get("error")
     if isinstance(err, dict):
@@ -231,13 +241,13 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
     if choices is None or choices == []:
         return fail("response has no choices", True)
     if not isinstance(choices, list):
-        return fail(f"choices is {_kind(choices)}, expected a list", False)
+        return fail(f"choices is {_kind(choices)}, expected a list", False, shape=True)
     choice = choices[0]
     if not isinstance(choice, dict):
-        return fail(f"choices[0] is {_kind(choice)}, expected an object", False)
+        return fail(f"choices[0] is {_kind(choice)}, expected an object", False, shape=True)
     finish = choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
-        return fail(f"choices[0].finish_reason is {_kind(finish)}, expected a string", False)
+        return fail(f"choices[0].finish_reason is {_kind(finish)}, expected a string", False, shape=True)
     native = choice.get("native_finish_reason")
     native = native if isinstance(native, str) else None
     if finish == "error":
@@ -254,11 +264,11 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
     if message is None:
         return fail("choice has no message", True)
     if not isinstance(message, dict):
-        return fail(f"choices[0].message is {_kind(message)}, expected an object", False)
+        return fail(f"choices[0].message is {_kind(message)}, expected an object", False, shape=True)
     try:
         clean = _read_message(message, "choices[0].message")
     except _BadShape as e:
-        return fail(str(e), False)
+        return fail(str(e), False, shape=True)
     usage = {"completion_tokens": billed} if billed >= 0 else None
     completion = _shared_completion(clean, finish or "stop", usage)
     usage = payload.get("usage")
@@ -268,19 +278,23 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
                  cost_known, -1 if prompt_tokens is None else prompt_tokens)
 
 
-def _http_failure(status: int, payload: Any, raw: bytes | str, retry_after: float | None) -> Failure:
+def _http_failure(status: int, payload: Any, raw: bytes | str, retry_after: float | None,
+                  secrets: Sequence[str | None] = ()) -> Failure:
     err = payload.get("error") if isinstance(payload, dict) else None
     if isinstance(err, dict):
         provider = _error_provider(err)
         flagged = _moderation(err) if status == 403 else None
         if flagged:
-            return Failure("http", _clip(flagged), False, status, retry_after, provider, klass="sample")
+            return Failure("http", _say(flagged, secrets), False, status, retry_after, provider, klass="sample")
         message = _with_raw(_text(err.get("message") or ""), err)
     else:
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
         message, provider = text.strip() or "no body", ""
-    retryable = status in RETRYABLE_STATUS or (status >= 500 and status not in FATAL_STATUS)
-    return Failure("http", _clip(message), retryable, status, retry_after, provider,
+    # Only a client error (4xx) can be the prompt's or the config's; any other status (a redirect, a 204, a
+    # proxy's own code) says nothing about them.
+    retryable = status in RETRYABLE_STATUS or (status >= 500 and status not in FATAL_STATUS) or \
+        not 400 <= status < 600
+    return Failure("http", _say(message, secrets), retryable, status, retry_after, provider,
                    maybe_billed=status in PROXY_TIMEOUT_STATUS)
 
 
@@ -418,6 +432,12 @@ def _normalise(message: str) -> str:
 
 def _clip(text: str, n: int = 500) -> str:
     return text if len(text) <= n else text[:n] + "..."
+
+
+def _say(text: str, secrets: Sequence[str | None] = ()) -> str:
+    """A message for a row's error and the logs: secrets blanked first, then clipped (a cut through a key would
+    leave its first characters where no exact match finds them)."""
+    return _clip(redact(text, secrets))
 
 
 # Content-part types whose text is the field's text (reasoning parts as in OpenRouter's reasoning_details).
