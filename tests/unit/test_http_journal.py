@@ -70,6 +70,65 @@ def test_a_line_with_numbers_of_the_wrong_type_is_refused_not_counted(tmp_path: 
     assert [r.sample_id for r in iter_journal(path)] == ["s1", "s1"]
 
 
+# One value per field a reader turns into an Arrow column (``journal.PROJECTION_SCHEMA``), of a type that column
+# cannot hold: each once made ``pa.array`` raise after the per-line skip, or was counted as if it were good.
+WRONG_TYPED = [("source", 5), ("source", ["or"]), ("sample_id", 5), ("dataset", {"d": 1}), ("kind", 5),
+               ("generation_id", 7), ("error", {"status": 500}), ("identity", 5), ("charged_tokens", 1 << 63),
+               ("billed_completion_tokens", (1 << 64) - 1), ("charged_tokens", 1.5), ("cost", "0.5"),
+               ("at", "yesterday"), ("at", None), ("at", True)]
+
+
+def _one_bad_line(tmp_path: Path, patch: dict[str, object], dumps=json.dumps) -> tuple[Path, Path]:
+    """A journal of good lines around one whose ``patch`` makes it foreign; returns (responses folder, file)."""
+    good = [rec(f"s{i}", billed=10, cost=0.5, identity="id1", generation_id=f"g{i}").to_json() for i in range(3)]
+    bad = {**json.loads(good[0]), "sample_id": "bad", "billed_completion_tokens": 1000, "cost": 9.0,
+           "generation_id": "g-bad", **patch}
+    path = RunLayout(tmp_path).response_journal("or", "a1")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(good[0] + good[1] + dumps(bad).encode() + b"\n" + good[2])
+    return path.parent, path
+
+
+def _assert_only_the_good_lines_count(folder: Path, path: Path, caplog: pytest.LogCaptureFixture, key: str) -> None:
+    from pipeline.generate.sources.http.replay import ReplayIndex
+    from pipeline.generate.sources.http.totals import journal_totals
+
+    with caplog.at_level(logging.WARNING):
+        totals = journal_totals(folder, "or")
+        by_name, by_identity = ReplayIndex(folder, "or"), ReplayIndex(folder, "renamed", identity="id1")
+    assert totals.billed == {"d1": 30} and totals.cost == {"d1": 1.5}
+    assert set(totals.responded) == {"s0", "s1", "s2"} and totals.gave_up == {}
+    assert len(by_name) == len(by_identity) == 3 and by_name.get("bad") is None and by_identity.get("bad") is None
+    assert "skipping the unreadable line" in caplog.text and key in caplog.text
+    assert [r.sample_id for r in iter_journal(path)] == ["s0", "s1", "s2"]
+    assert sorted(load_responses(folder, "or")) == ["s0", "s1", "s2"]
+
+
+@pytest.mark.parametrize(("key", "value"), WRONG_TYPED, ids=[f"{k}={v!r}" for k, v in WRONG_TYPED])
+def test_a_line_with_a_projected_field_of_the_wrong_type_is_skipped_loudly(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, key: str, value: object) -> None:
+    """A resume's spend restore and the replay index read a journal a crash or a foreign writer may have left
+    anything in: a line whose field cannot go into its Arrow column is that line skipped (and said), never an
+    ArrowTypeError or OverflowError for the whole file, never a line counted with a coerced value."""
+    folder, path = _one_bad_line(tmp_path, {key: value})
+    _assert_only_the_good_lines_count(folder, path, caplog, key)
+
+
+STDLIB_ONLY = [("cost", float("nan")), ("cost", float("inf")), ("at", float("-inf")), ("source", "\ud800"),
+               ("error", "x\udfff"), ("charged_tokens", 10**30)]
+
+
+@pytest.mark.parametrize(("key", "value"), STDLIB_ONLY, ids=[f"{k}={v!r}" for k, v in STDLIB_ONLY])
+def test_values_only_the_stdlib_parser_reads_are_skipped_too(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, key: str,
+        value: object) -> None:
+    """Without orjson the stdlib parser reads NaN, infinities, lone surrogate escapes and integers of any size:
+    none of them is counted or reaches an Arrow column."""
+    monkeypatch.setattr(http_journal, "_loads", json.loads)
+    folder, path = _one_bad_line(tmp_path, {key: value})
+    _assert_only_the_good_lines_count(folder, path, caplog, key)
+
+
 def test_record_parse_rejects_torn_and_foreign_lines_and_ignores_new_keys() -> None:
     line = rec("s1").to_json()
     with pytest.raises(ValueError):

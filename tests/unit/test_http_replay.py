@@ -83,3 +83,19 @@ def test_a_resumed_actor_indexes_from_the_writers_projections_and_parses_only_wh
     assert idx.refresh() == 1 and len(parses) == 1 and idx.get("s70").content == rec(70).content
     renamed = ReplayIndex(run, "renamed", identity="id1")  # by the projection's identity column
     assert len(renamed) == 61 and renamed.get("s100") is None and renamed.get("s59") == written["s59"]
+
+
+def test_a_foreign_line_appended_later_is_skipped_loudly(tmp_path, caplog: pytest.LogCaptureFixture):
+    """What a refresh parses line by line is checked as the projection is: a line of the wrong types is skipped
+    and said, the good ones around it indexed."""
+    f = tmp_path / "api-a.jsonl"
+    f.write_bytes(rec(1).to_json())
+    idx = ReplayIndex(tmp_path, "api")
+    bad = rec(2).to_json().replace(b'"source":"api"', b'"source":5')
+    assert bad != rec(2).to_json()
+    with open(f, "ab") as fh:
+        fh.write(bad + rec(3).to_json())
+    with caplog.at_level("WARNING", logger=http_replay.__name__):
+        assert idx.refresh() == 1
+    assert idx.get("s2") is None and idx.get("s3") is not None and len(idx) == 2
+    assert "skipping the unreadable line" in caplog.text and "source must be a string" in caplog.text

@@ -22,6 +22,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -125,7 +126,11 @@ class Record:
 
 def record_fields(line: bytes | str) -> dict[str, Any]:
     """One journal line's fields, checked as a ``Record`` needs them (ValueError for a torn or foreign line): the
-    parse of ``Record.from_json`` without building the record, for a reader that only counts (``totals``)."""
+    parse of ``Record.from_json`` without building the record, for a reader that only counts (``totals``).
+
+    Every field a reader turns into an Arrow column (``projected_row``) is checked against that column's type
+    here, inside the readers' per-line skip: a foreign value found later, at the conversion of a whole chunk,
+    would stop a resume instead of skipping its one line."""
     data = _loads(line)
     if not isinstance(data, dict):
         raise ValueError("journal line is not an object")
@@ -134,15 +139,20 @@ def record_fields(line: bytes | str) -> dict[str, Any]:
         raise ValueError(f"journal line lacks {missing}")
     if data.get("kind", "response") not in KINDS:
         raise ValueError(f"unknown record kind {data.get('kind')!r}")
-    if not isinstance(data["sample_id"], str) or not isinstance(data["dataset"], str):
-        raise ValueError("sample_id and dataset must be strings")
-    if not _is_int(data.get("billed_completion_tokens", 0)):
-        raise ValueError("billed_completion_tokens must be an integer")
-    if data.get("charged_tokens") is not None and not _is_int(data["charged_tokens"]):
-        raise ValueError("charged_tokens must be an integer or null")
-    cost = data.get("cost", 0.0)
-    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int | float)):
-        raise ValueError("cost must be a number")
+    for key in _TEXT:
+        if not _is_text(data[key]):
+            raise ValueError(f"{key} must be a string")
+    for key in _OPTIONAL_TEXT:
+        if data.get(key) is not None and not _is_text(data[key]):
+            raise ValueError(f"{key} must be a string or null")
+    if not _is_int64(data.get("billed_completion_tokens", 0)):
+        raise ValueError("billed_completion_tokens must be a 64-bit integer")
+    if data.get("charged_tokens") is not None and not _is_int64(data["charged_tokens"]):
+        raise ValueError("charged_tokens must be a 64-bit integer or null")
+    if data.get("cost") is not None and not _is_finite(data["cost"]):
+        raise ValueError("cost must be a finite number or null")
+    if "at" in data and not _is_finite(data["at"]):  # ``load_responses`` orders by it
+        raise ValueError("at must be a finite number")
     return data
 
 
@@ -150,9 +160,34 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_int64(value: Any) -> bool:
+    """An int an Arrow int64 column holds (orjson reads up to 2**64 - 1, the stdlib parser any size)."""
+    return _is_int(value) and -(1 << 63) <= value < 1 << 63
+
+
+def _is_finite(value: Any) -> bool:
+    """A JSON number that is not NaN or infinite (the stdlib parser reads those; a sum would carry them)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_text(value: Any) -> bool:
+    """A str that encodes as UTF-8 (the stdlib parser keeps a lone surrogate escape, which Arrow refuses)."""
+    if not isinstance(value, str):
+        return False
+    if value.isascii():
+        return True
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 _FIELDS = tuple(f.name for f in fields(Record))
 _FIELD_SET = frozenset(_FIELDS)
 _REQUIRED = ("sample_id", "dataset", "source", "model", "sampling", "request_digest")
+_TEXT = ("sample_id", "dataset", "source")  # required, and string columns of the projection
+_OPTIONAL_TEXT = ("generation_id", "error", "identity")  # string columns too; null projects as ""
 
 
 # -- the projection: the fields a resume and ``status`` count, kept beside each file ----------------------------

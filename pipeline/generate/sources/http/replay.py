@@ -132,8 +132,10 @@ class ReplayIndex:
             if line.strip():
                 try:
                     rec = record_fields(line)
-                except (ValueError, TypeError):
-                    rec = None  # a torn line healed by a newline, or a foreign one: nothing to replay
+                except (ValueError, TypeError) as e:  # a torn line healed by a newline, or a foreign one
+                    log.warning("replay index: skipping the unreadable line at byte %d of %s: %s", offset + at,
+                                path, e)
+                    rec = None
                 if rec is not None and self._wanted(rec):
                     when = rec.get("at")
                     when = float(when) if isinstance(when, int | float) and not isinstance(when, bool) else 0.0
