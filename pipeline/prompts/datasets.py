@@ -67,12 +67,20 @@ def _column(row: dict[str, Any], columns: dict[str, str], field: str, required: 
     return row[col]
 
 
+def _json_refusal(e: ValueError | RecursionError) -> str:
+    """Why json.loads refused text that is not a syntax error: nesting deeper than the recursion limit, or an
+    integer longer than Python's digit limit (its advice to raise the limit is no use to the file's author)."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+
+
 def _maybe_json(value: Any, what: str) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)
         except json.JSONDecodeError as e:
             raise RowError(f"{what} is a string but not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:
+            raise RowError(f"{what} is a string but not valid JSON: {_json_refusal(e)}") from None
     return value
 
 
@@ -109,16 +117,28 @@ def _norm_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 json.loads(args or "{}")
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # a JSONDecodeError, a too-long integer or too-deep nesting
                 raise RowError(f"message {i} tool call {j} arguments are not valid JSON") from None
             args = args or "{}"
         elif isinstance(args, dict):
-            args = json.dumps(args, ensure_ascii=False)
+            try:  # a Parquet file can hold values JSON has no form for (a date, bytes)
+                args = json.dumps(args, ensure_ascii=False)
+            except (TypeError, ValueError) as e:
+                raise RowError(f"message {i} tool call {j} arguments are not JSON: {e}") from None
         else:
             raise RowError(f"message {i} tool call {j} arguments must be an object or JSON text")
         call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else f"call_{j}"
         out.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
+
+
+def _part_text(part: Any, i: int, j: int) -> str:
+    """An OpenAI content part's text, "" for a part without any (an image); text that is not a string is a
+    RowError (a join would raise on it)."""
+    text = part.get("text", "") if isinstance(part, dict) else ""
+    if not isinstance(text, str):
+        raise RowError(f"message {i} content part {j} text must be a string, got {type(text).__name__}")
+    return text
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -129,12 +149,14 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise RowError(f"message {i} is not an object")
         role = m.get("role")
+        if role is not None and not isinstance(role, str):  # a list or an object is not even hashable
+            raise RowError(f"message {i} role must be a string, got {type(role).__name__}")
         if role not in ROLES:
             raise RowError(f"message {i} has unknown role {role!r}")
         content = m.get("content")
         if content is not None and not isinstance(content, str):
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                content = "".join(_part_text(p, i, j) for j, p in enumerate(content))
             else:
                 raise RowError(f"message {i} content must be text")
         msg: dict[str, Any] = {"role": role, "content": content}
@@ -143,6 +165,8 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
                 raise RowError(f"message {i} is a {role} message with tool_calls")
             msg["tool_calls"] = _norm_tool_calls(m["tool_calls"], i)
         if m.get("name"):
+            if not isinstance(m["name"], str):  # Parquet bytes, say: the id's JSON could not hold it
+                raise RowError(f"message {i} name must be a string, got {type(m['name']).__name__}")
             msg["name"] = m["name"]
         if role == "tool" and isinstance(m.get("tool_call_id"), str):
             msg["tool_call_id"] = m["tool_call_id"]
@@ -200,8 +224,9 @@ _GLAIVE_TURN = re.compile(r"(USER|ASSISTANT|FUNCTION RESPONSE):\s*")
 _GLAIVE_QUOTED_ARGS = re.compile(r"""("arguments"\s*:\s*)'(.*)'(\s*\})""", re.DOTALL)
 
 
-def _json_objects(text: str) -> list[Any]:
-    """Every top-level JSON object in free text, in order."""
+def _json_objects(text: str, what: str) -> list[Any]:
+    """Every top-level JSON object in free text, in order. Text that is no JSON is skipped; an object JSON
+    cannot read (too deep, a too-long integer) is a RowError, not a definition or a call silently lost."""
     dec, out, i = json.JSONDecoder(), [], 0
     while (i := text.find("{", i)) != -1:
         try:
@@ -209,6 +234,8 @@ def _json_objects(text: str) -> list[Any]:
         except json.JSONDecodeError:
             i += 1
             continue
+        except (ValueError, RecursionError) as e:
+            raise RowError(f"{what} holds JSON that cannot be read: {_json_refusal(e)}") from None
         out.append(obj)
         i = end
     return out
@@ -221,7 +248,7 @@ def _parse_glaive(row: dict[str, Any], cols: dict[str, str]) -> Prompt:
     if not isinstance(system, str) or not isinstance(chat, str):
         raise RowError("system and chat must be text")
     head = system.removeprefix("SYSTEM:").strip()
-    tool_defs = [o for o in _json_objects(head) if isinstance(o, dict) and "name" in o]
+    tool_defs = [o for o in _json_objects(head, "system") if isinstance(o, dict) and "name" in o]
     # Glaive writes "... Use them if required -\n{...}": cut at the first definition, drop the " -".
     sys_text = head.split("{", 1)[0].rstrip().removesuffix("-").rstrip() if tool_defs else head
     messages: list[dict[str, Any]] = [{"role": "system", "content": sys_text}] if sys_text else []
@@ -236,7 +263,7 @@ def _parse_glaive(row: dict[str, Any], cols: dict[str, str]) -> Prompt:
         if speaker == "ASSISTANT" and body.startswith("<functioncall>"):
             # Glaive quotes the arguments JSON in single quotes: {"name": "f", "arguments": '{"a": 1}'}.
             body = _GLAIVE_QUOTED_ARGS.sub(lambda m: m[1] + json.dumps(m[2]) + m[3], body)
-            calls = _json_objects(body)
+            calls = _json_objects(body, "assistant <functioncall>")
             if not calls or not isinstance(calls[0].get("name"), str):
                 raise RowError("assistant <functioncall> holds no call JSON")
             call = calls[0]
@@ -267,10 +294,30 @@ def parse_row(row: Any, fmt: str, columns: dict[str, str] | None = None) -> Prom
     return PARSERS[fmt](row, cols)
 
 
+def _unwritable(prompt: Prompt) -> str:
+    """The first message or tool of ``prompt`` that has no UTF-8 JSON form (asked only once the whole failed)."""
+    parts = [(f"message {i}", m) for i, m in enumerate(prompt.messages)]
+    parts += [(f"tool {j}", t) for j, t in enumerate(prompt.tools or [])]
+    for where, part in parts:
+        try:
+            json.dumps(part, sort_keys=True, ensure_ascii=False).encode()
+        except (TypeError, ValueError):
+            return where
+    return "the prompt"
+
+
 def sample_id(dataset: str, row_index: int, prompt: Prompt) -> str:
-    """Stable id: dataset name + row index + hash of the canonical content."""
-    canon = json.dumps({"m": prompt.messages, "t": prompt.tools}, sort_keys=True, ensure_ascii=False)
-    return f"{dataset}:{row_index}:{hashlib.sha256(canon.encode()).hexdigest()[:12]}"
+    """Stable id: dataset name + row index + hash of the canonical content. Content without a UTF-8 JSON form
+    (a Parquet date or bytes in a tool; a lone surrogate, which a JSON \\u escape can write) is a RowError
+    naming where it is: no later stage could write it either."""
+    try:
+        canon = json.dumps({"m": prompt.messages, "t": prompt.tools}, sort_keys=True, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.end]
+        raise RowError(f"{_unwritable(prompt)} holds a lone surrogate ({bad!r}), not valid Unicode") from None
+    except (TypeError, ValueError) as e:
+        raise RowError(f"{_unwritable(prompt)} cannot be written as JSON: {e}") from None
+    return f"{dataset}:{row_index}:{hashlib.sha256(canon).hexdigest()[:12]}"
 
 
 _JSON_TYPES = {dict: "an object", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
@@ -347,6 +394,8 @@ def _json_rows(path: Path, data: bytes, keep: bool = True) -> list[Any]:
     except json.JSONDecodeError as e:
         hint = "; one JSON value per line? name the file .jsonl" if e.msg == "Extra data" else ""
         raise DatasetError(f"{path}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno}{hint})") from None
+    except (ValueError, RecursionError) as e:
+        raise DatasetError(f"{path}: not valid JSON: {_json_refusal(e)}") from None
     if not isinstance(rows, list):
         found = _JSON_TYPES.get(type(rows), "null")
         if not keep:  # an object read as None: its first character says what it was
@@ -412,9 +461,12 @@ def _jsonl_rows(path: Path, lines: Iterator[bytes],
             index += 1
             continue
         try:
-            yield index, json.loads(text)
+            row = json.loads(text)
         except json.JSONDecodeError as e:
-            yield index, _bad_line(f"line is not valid JSON ({where}): {e.msg} (column {e.colno})", line)
+            row = _bad_line(f"line is not valid JSON ({where}): {e.msg} (column {e.colno})", line)
+        except (ValueError, RecursionError) as e:
+            row = _bad_line(f"line is not valid JSON ({where}): {_json_refusal(e)}", line)
+        yield index, row
         index += 1
 
 
@@ -441,14 +493,20 @@ def warn_empty(cfg: DatasetConfig) -> None:
     log.warning("dataset %r: %s holds no rows; nothing to generate from it", cfg.name, cfg.path)
 
 
+def _utf8_safe(text: str) -> str:
+    """``text`` with each lone surrogate (a JSON \\u escape can write one) as its escape: UTF-8 has no form for
+    it, and a quarantine shard is UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _bad_row(cfg: DatasetConfig, index: int, raw: Any, e: RowError) -> dict[str, Any]:
     if isinstance(raw, RowError):  # keep the offending line, not the error
         raw = raw.raw
     digest = hashlib.sha256(json.dumps(raw, default=str, sort_keys=True).encode()).hexdigest()[:12]
     return {
         "sample_id": f"{cfg.name}:{index}:{digest}", "dataset": cfg.name, "row_index": index,
-        "stage": "read", "reason": f"malformed row: {e}",
-        "raw": json.dumps(raw, default=str, ensure_ascii=False)[:4000],
+        "stage": "read", "reason": _utf8_safe(f"malformed row: {e}"),
+        "raw": _utf8_safe(json.dumps(raw, default=str, ensure_ascii=False))[:4000],
     }
 
 
@@ -470,15 +528,19 @@ def iter_dataset(cfg: DatasetConfig, warn: bool = True,
             if isinstance(raw, RowError):
                 raise raw
             p = parse_row(raw, cfg.format, cfg.columns)
+            row = {
+                "sample_id": sample_id(cfg.name, index, p), "dataset": cfg.name, "row_index": index,
+                "messages": json.dumps(p.messages, ensure_ascii=False),
+                "tools": json.dumps(p.tools, ensure_ascii=False) if p.tools else "",
+                "thinking": cfg.thinking,
+            }
         except RowError as e:
             yield False, _bad_row(cfg, index, raw, e)
             continue
-        yield True, {
-            "sample_id": sample_id(cfg.name, index, p), "dataset": cfg.name, "row_index": index,
-            "messages": json.dumps(p.messages, ensure_ascii=False),
-            "tools": json.dumps(p.tools, ensure_ascii=False) if p.tools else "",
-            "thinking": cfg.thinking,
-        }
+        except Exception as e:  # a case the checks above missed is still one row's fault, not the run's
+            yield False, _bad_row(cfg, index, raw, RowError(f"{type(e).__name__}: {e}"))
+            continue
+        yield True, row
     if not n and warn:  # max_rows > 0, so only a file without rows gets here
         warn_empty(cfg)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 from pathlib import Path
@@ -11,7 +12,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.base.config import DatasetConfig
-from pipeline.prompts.datasets import DatasetError, Prompt, RowError, load_dataset, parse_row, sample_id
+from pipeline.prompts.datasets import (
+    DatasetError,
+    Prompt,
+    RowError,
+    iter_dataset,
+    load_dataset,
+    parse_row,
+    sample_id,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "data" / "prompts"
@@ -332,8 +341,10 @@ def test_bad_json_line_reason_names_file_and_line(tmp_path):
         (b'{"rows": []}', "a .json dataset must hold a list of rows, found an object"),
         (b'"just text"', "a .json dataset must hold a list of rows, found a string"),
         (b'[{"instruction": "a"},\n {"instruction": "\xff"}]', "not valid UTF-8 at line 2"),
+        (b'[{"instruction": "a", "n": ' + b"1" * 5000 + b"}]", "not valid JSON: Exceeds the limit (4300 digits)"),
+        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON: nested too deeply"),
     ],
-    ids=["syntax", "jsonl-in-json", "object", "string", "utf8"],
+    ids=["syntax", "jsonl-in-json", "object", "string", "utf8", "huge-number", "deep"],
 )
 def test_bad_json_file_is_a_clear_error(tmp_path, content, expected):
     path = tmp_path / "rows.json"
@@ -489,6 +500,61 @@ def test_malformed_row_reasons(tmp_path, fmt, row, reason):
     prompts, bad = _load(path, fmt)
     assert [p["row_index"] for p in prompts] == [0, 2]
     assert len(bad) == 1 and bad[0]["row_index"] == 1 and reason in bad[0]["reason"]
+
+
+GOOD = {"messages": [{"role": "user", "content": "ok"}]}
+GOOD_DIGEST = "9e97a6d2a2d2"  # GOOD's id hash before parsing was made total: a well-formed row keeps its id
+
+
+def _around_good(path: Path, bad: str | dict) -> Path:
+    """``bad`` between two GOOD rows: a raw JSONL line, or a Parquet row (its types, not JSON's)."""
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist([GOOD, bad, GOOD], schema=pa.Table.from_pylist([bad]).schema), path)
+    else:
+        path.write_text(f"{json.dumps(GOOD)}\n{bad}\n{json.dumps(GOOD)}\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "reason"),
+    [
+        ("rows.jsonl", '{"messages": [{"role": ["user"], "content": "hi"}]}',
+         "message 0 role must be a string, got list"),
+        ("rows.jsonl", '{"messages": [{"role": {"a": 1}, "content": "hi"}]}',
+         "message 0 role must be a string, got dict"),
+        ("rows.jsonl", '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+         "message 0 content part 0 text must be a string, got int"),
+        ("rows.jsonl", '{"messages": [{"role": "user", "content": [{"type": "text", "text": null}]}]}',
+         "message 0 content part 0 text must be a string, got NoneType"),
+        ("rows.jsonl", '{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
+         "message 0 holds a lone surrogate ('\\ud800'), not valid Unicode"),
+        ("rows.jsonl", '{"messages": [{"role": "bogus", "content": "\\ud800"}]}', "message 0 has unknown role 'bogus'"),
+        ("rows.jsonl", '{"messages": [{"role": "user", "content": "hi"}], "n": ' + "1" * 5000 + "}",
+         "line is not valid JSON (rows.jsonl line 2): Exceeds the limit (4300 digits)"),
+        ("rows.jsonl", "[" * 100_000 + "]" * 100_000, "line is not valid JSON (rows.jsonl line 2): nested too deeply"),
+        ("rows.jsonl", json.dumps({"messages": "[" * 100_000}), "messages is a string but not valid JSON: nested too"),
+        ("rows.parquet", {"messages": [{"role": "user", "content": "hi", "name": b"x"}]},
+         "message 0 name must be a string, got bytes"),
+        ("rows.parquet", {"messages": [{"role": "user", "content": "hi"}],
+                          "tools": [{"function": {"name": "f", "since": datetime.date(2020, 1, 1)}}]},
+         "tool 0 cannot be written as JSON: Object of type date is not JSON serializable"),
+    ],
+    ids=["role-list", "role-dict", "text-int", "text-null", "lone-surrogate", "surrogate-in-bad-row", "huge-number",
+         "deep-line", "deep-messages-text", "parquet-name-bytes", "parquet-tool-date"],
+)
+def test_rows_that_crashed_the_parser_are_quarantined(tmp_path, name, bad, reason):
+    """Rows whose errors once escaped the parser (TypeError, UnicodeEncodeError, ValueError, RecursionError) and
+    ended the run: each is one quarantine row with a reason, and the rows around it keep their ids."""
+    path = _around_good(tmp_path / name, bad)
+    rows = list(iter_dataset(DatasetConfig(name="ds", path=str(path)), warn=False))
+    assert [(ok, r["row_index"]) for ok, r in rows] == [(True, 0), (False, 1), (True, 2)]
+    assert [rows[0][1]["sample_id"], rows[2][1]["sample_id"]] == [f"ds:0:{GOOD_DIGEST}", f"ds:2:{GOOD_DIGEST}"]
+    q = rows[1][1]
+    assert q["reason"].startswith("malformed row: ") and reason in q["reason"], q["reason"]
+    assert q["stage"] == "read" and q["sample_id"].startswith("ds:1:") and q["raw"]
+    q["reason"].encode(), q["raw"].encode()  # a quarantine shard is UTF-8: no lone surrogate is left in it
+    assert [r["sample_id"] for _, r in iter_dataset(DatasetConfig(name="ds", path=str(path)), warn=False)] == \
+        [r["sample_id"] for _, r in rows]  # the same row gets the same id on every read
 
 
 # -- the shipped prompt set ---------------------------------------------------

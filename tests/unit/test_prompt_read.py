@@ -130,6 +130,8 @@ def test_an_empty_file_warns_once_where_asked(tmp_path, caplog):
     ("rows.json", b'{"rows": []}'),
     ("rows.json", b"null"),
     ("rows.json", b'[{"instruction": "\xff"}]'),
+    ("rows.json", b'[{"instruction": "a", "n": ' + b"1" * 5000 + b"}]"),  # json.loads: ValueError
+    ("rows.json", b"[" * 100_000 + b"]" * 100_000),  # json.loads: RecursionError
     ("rows.parquet", b"not parquet at all"),
     ("rows.parquet", b""),
     ("rows.parquet", b"PAR1" + b"\0" * 64 + b"PAR1"),
@@ -224,6 +226,24 @@ def test_index_dataset_writes_what_read_prompts_wrote(tmp_path):
     rows = {f"{d.name}.rows": sum(map(len, load_dataset(d))) for d in datasets}
     assert {k: v for k, v in counts.items() if k != TO_DO} == rows
     assert counts[TO_DO] == sum(len(load_dataset(d)[0]) for d in datasets) - 2  # one done, one worn out
+
+
+def test_the_index_pass_quarantines_rows_with_a_lone_surrogate(tmp_path):
+    """A JSON \\u escape can write a lone surrogate, which UTF-8 (so a Parquet shard) has no form for: the
+    quarantine shard holds it escaped, readable back to the row, and the good row beside it is left to do."""
+    lines = [json.dumps(_user("ok")), '{"messages": [{"role": "bogus", "content": "\\ud800"}]}',
+             '{"messages": [{"role": "user", "content": "hi \\ud800"}]}']
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    layout = RunLayout(tmp_path / "o")
+    counts = index_dataset(DatasetConfig(name="s", path=str(path)), layout, set(), {}, keep_index=False)
+    assert counts == Counter({"s.rows": 3, TO_DO: 1})
+    written = sorted((r for f in layout.quarantine.glob("*.parquet") for r in pq.read_table(f).to_pylist()),
+                     key=lambda r: r["row_index"])
+    assert [(r["row_index"], r["stage"]) for r in written] == [(1, "read"), (2, "read")]
+    assert "unknown role 'bogus'" in written[0]["reason"] and "lone surrogate" in written[1]["reason"]
+    for r, line in zip(written, lines[1:], strict=True):
+        assert json.loads(json.loads(r["detail"])["raw"]) == json.loads(line)
 
 
 def _index_all(datasets: list[DatasetConfig], tmp_path: Path, done: set[str], worn: dict) -> Counter:
