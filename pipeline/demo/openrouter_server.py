@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -73,8 +74,9 @@ class ServerConfig:
     miscount_providers: tuple[str, ...] = ()  # bill a third of the real completion tokens
     corrupt_providers: tuple[str, ...] = ()  # leak a prompt-only marker and duplicate reasoning
     flaky_providers: dict[str, float] = field(default_factory=dict)  # provider -> rate of 502 it causes
-    price_per_token: float = 1e-6  # per completion token (times 1 + the provider's index)
+    price_per_token: float = 1e-6  # per completion token (times the provider's price factor)
     prompt_price_per_token: float = 0.0  # per prompt token (same factor): usage.cost covers both
+    price_factors: tuple[float, ...] = ()  # per provider, in order (empty: 1 + the provider's index)
     bill_log: str | None = None  # append one JSON line per billed generation (the provider's own bill)
     max_generations: int = 100_000  # generation stats kept for GET /generation
     # Account credit in completion tokens: once the tokens billed reach it, every request gets 402.
@@ -113,11 +115,13 @@ def marker_fault(messages: Sequence[Mapping[str, Any]]) -> str | None:
     return None
 
 
-def route(providers: Sequence[str], prefs: Mapping[str, Any] | None, rng: random.Random) -> str | None:
-    """The provider that serves a request under OpenRouter's routing object, or None if none qualifies."""
+def route(providers: Sequence[str], prefs: Mapping[str, Any] | None, rng: random.Random,
+          prices: Mapping[str, tuple[float, float]] | None = None) -> str | None:
+    """The provider that serves a request under OpenRouter's routing object, or None if none qualifies.
+    ``prices``: each provider's dollars per million prompt and completion tokens, for ``max_price``."""
     prefs = prefs or {}
     ignore = set(prefs.get("ignore") or [])
-    candidates = [p for p in providers if p not in ignore]
+    candidates = [p for p in providers if p not in ignore and within_max_price(prefs, (prices or {}).get(p))]
     if prefs.get("only"):
         only = set(prefs["only"])
         candidates = [p for p in candidates if p in only]
@@ -132,6 +136,22 @@ def route(providers: Sequence[str], prefs: Mapping[str, Any] | None, rng: random
     if prefs.get("sort"):
         return sorted(candidates)[0]
     return rng.choice(candidates)
+
+
+def within_max_price(prefs: Mapping[str, Any], price: tuple[float, float] | None) -> bool:
+    """Whether a provider of this price (dollars per million prompt and completion tokens) is under the request's
+    ``max_price`` (OpenRouter's: per million tokens, numbers or numeric strings; a key left out caps nothing)."""
+    cap = prefs.get("max_price")
+    if not isinstance(cap, Mapping) or price is None:
+        return True
+    for key, have in zip(("prompt", "completion"), price, strict=True):
+        try:
+            limit = float(cap[key]) if key in cap else math.inf
+        except (TypeError, ValueError):
+            continue
+        if have > limit * (1 + 1e-9):  # a price given in decimal dollars is not exact in binary
+            return False
+    return True
 
 
 def thinking_requested(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -450,6 +470,15 @@ class OpenRouterLikeServer:
         got = request.headers.get("Authorization", "")
         return hmac.compare_digest(got.encode(), ("Bearer " + self._key).encode())
 
+    def price_factor(self, provider: str) -> float:
+        i = self.cfg.providers.index(provider)
+        return self.cfg.price_factors[i] if i < len(self.cfg.price_factors) else 1.0 + i
+
+    def provider_prices(self) -> dict[str, tuple[float, float]]:
+        """Each provider's list price, dollars per million prompt and completion tokens (what it bills)."""
+        return {p: (self.cfg.prompt_price_per_token * self.price_factor(p) * 1e6,
+                    self.cfg.price_per_token * self.price_factor(p) * 1e6) for p in self.cfg.providers}
+
     def _error(self, code: int, message: str, provider: str | None = None, raw: str | None = None,
                retry_after: float | None = None, extra: Mapping[str, Any] | None = None) -> web.Response:
         self._count(f"status_{code}")
@@ -516,7 +545,10 @@ class OpenRouterLikeServer:
             return self._error(code, STATUS_TEXT[code])
         if fault == "429":
             return self._error(429, STATUS_TEXT[429], retry_after=self.cfg.retry_after_s)
-        provider = route(self.cfg.providers, prefs, self.rng)
+        provider = route(self.cfg.providers, prefs, self.rng, self.provider_prices())
+        if provider is None and isinstance(prefs, dict) and route(self.cfg.providers, prefs, self.rng) is not None:
+            return self._error(404, "No allowed providers are available for the selected model.",
+                               extra={"available_providers": list(self.cfg.providers)})  # all over max_price
         if provider is None or fault == "503":
             return self._error(503, STATUS_TEXT[503])
         if fault == "moderation":  # refused before any generation: nothing billed
@@ -580,7 +612,7 @@ class OpenRouterLikeServer:
         elif fault == "native-error":
             native = "error"
         cost = (billed * self.cfg.price_per_token + gen.prompt_tokens * self.cfg.prompt_price_per_token) \
-            * (1 + self.cfg.providers.index(provider))
+            * self.price_factor(provider)
         # What the "provider" billed, including responses the client never reads (killed mid-flight).
         self.counts["billed_completion_tokens"] = self.counts.get("billed_completion_tokens", 0) + billed
         self.counts["billed_cost_nano_usd"] = self.counts.get("billed_cost_nano_usd", 0) + round(cost * 1e9)

@@ -267,3 +267,43 @@ def test_a_dollar_cap_without_prices_learns_them_and_holds(profile):
     assert 1 < passed < 20 and {r["failure_class"] for r in out.values() if r["status"] != "ok"} == {"budget"}
     d = ledger.report()["datasets"]["d"]
     assert billed_usd <= d["spent_usd"] + 1e-9 <= cap + 1e-9 and not ledger.report()["violations"]
+
+
+def dear_later_run(profile, guard: str, seed: int) -> tuple[dict[str, dict], float, float, dict]:
+    """200 prompts under a $0.002 cap with no prices configured, on providers billing 1x, 40x and 40x."""
+    cap = 0.002
+    server_cfg = ServerConfig(seed=seed, price_per_token=1e-6, prompt_price_per_token=1e-7, price_factors=(1, 40, 40))
+    with serve_in_thread(server_cfg, CannedBackend(200, profile)) as (url, server):  # 200 ms: many in flight
+        cfg = cfg_(url, max_in_flight=32, default_budget="unlimited", default_budget_usd=cap, max_price_guard=guard)
+        out = run(OpenRouterGenerator(cfg, "deepseek", None, Ledger(default_budget_usd=cap)), rows_(200))
+        counts = dict(server.counts)
+    return out, counts.get("billed_cost_nano_usd", 0) / 1e9, cap, counts
+
+
+def test_a_dollar_cap_holds_when_later_providers_are_dearer_than_the_first(profile):
+    """No prices configured: the first answer teaches the price, and later requests may be routed to dearer
+    providers. Each request after it carries provider.max_price at the rates its reservation assumed, so no
+    provider dearer than that serves it: the provider's own bill stays under the cap, demand far above it."""
+    out, billed, cap, counts = dear_later_run(profile, "auto", seed=1)
+    statuses = Counter(r["status"] for r in out.values())
+    assert billed <= cap, (billed, counts)
+    assert statuses["ok"] >= 100 and statuses["not_generated"] > 0, statuses  # the cap bound
+    assert {r["failure_class"] for r in out.values() if r["status"] == "not_generated"} == {"budget"}
+    # without the guard, the same run is billed past the cap: the test can fail
+    _, unguarded, _, _ = dear_later_run(profile, "off", seed=1)
+    assert unguarded > cap
+
+
+def test_prices_below_every_provider_halt_the_source_as_config_and_bill_nothing(profile):
+    """`prices` lower than what any provider charges: max_price leaves no provider, OpenRouter answers 404 "No
+    allowed providers", and the same answer on every prompt halts the source with its rows left to do."""
+    with serve_in_thread(ServerConfig(seed=13, price_per_token=1e-6), CannedBackend(1, profile)) as (url, server):
+        cfg = cfg_(url, default_budget="unlimited", default_budget_usd=1.0,
+                   prices={"prompt_usd_per_mtok": 0.01, "completion_usd_per_mtok": 0.5})  # providers bill 1-3 $/Mtok
+        ledger = Ledger(default_budget_usd=1.0)
+        out = run(OpenRouterGenerator(cfg, "deepseek", None, ledger), rows_(8))
+        counts = dict(server.counts)
+    assert Counter(r["status"] for r in out.values()) == {"not_generated": 8}
+    assert {r["failure_class"] for r in out.values()} == {"config"}
+    assert "No allowed providers" in ledger.report()["halted"]
+    assert counts.get("billed_cost_nano_usd", 0) == 0 and counts.get("status_404", 0) >= 3

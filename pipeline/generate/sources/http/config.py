@@ -148,6 +148,9 @@ class OpenRouterSourceConfig(SourceConfigBase):
     budgets_usd: dict[str, UsdCap] = Field(default_factory=dict)
     default_budget_usd: UsdCap = None
     prices: PricesConfig | None = None  # what reserving ahead in dollars assumes before a price is seen
+    # With a dollar cap, send provider.max_price at the prices a reservation assumes, so no dearer provider
+    # serves the request and the bill stays within the cap. auto: for openrouter.ai and loopback (its stand-in).
+    max_price_guard: Literal["auto", "on", "off"] = "auto"
     # Budgets follow identity() (model, endpoint, budget_scope), not the name: a new scope starts fresh accounts.
     budget_scope: str = ""
     # Concurrency: num_actors..max_actors actors, each with up to max_in_flight requests.
@@ -242,6 +245,13 @@ class OpenRouterSourceConfig(SourceConfigBase):
     def token_budget(self, dataset: str) -> int | None:
         """Completion-token cap of one dataset; None: no token cap (it may still have a dollar cap)."""
         return self.budgets[dataset] if dataset in self.budgets else self.default_budget
+
+    def guards_price(self) -> bool:
+        """Whether requests under a dollar cap carry ``provider.max_price`` (``max_price_guard``)."""
+        if self.max_price_guard != "auto":
+            return self.max_price_guard == "on"
+        host = _url_host(self.base_url)
+        return host == OPENROUTER_HOST or is_loopback_host(host)
 
     def usd_budget(self, dataset: str) -> float | None:
         """Dollar cap of one dataset; None: no dollar cap (it may still have a token cap)."""

@@ -43,6 +43,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -130,15 +131,39 @@ def prompt_tokens(row: dict[str, Any]) -> int:
     return (len(text) if isinstance(text, str) else len(json.dumps(text or ""))) // 2 + 16
 
 
-def usd_ask(n_prompt: int, max_tokens: int, prices: Any, bounds: tuple[float, float] | list[float]) -> float:
-    """The most one request can cost, as reserved ahead: from configured ``prices`` (per million tokens), else
-    from ``bounds`` (the dearest dollars seen per prompt token and per completion token); NaN when unknown."""
+PRICE_HEADROOM = 1.5  # a learnt price is reserved (and capped with max_price) at this much over the dearest seen
+
+
+def price_rates(prices: Any, bounds: tuple[float, float] | list[float]) -> tuple[float, float] | None:
+    """Dollars per prompt token and per completion token that a dollar reservation assumes (and, where the
+    endpoint takes it, ``provider.max_price`` holds every provider to): configured ``prices`` (per million
+    tokens), else ``PRICE_HEADROOM`` times ``bounds`` (the dearest dollars seen per prompt token and per
+    completion token); None while no price is known."""
     if prices is not None:
-        return (n_prompt * prices.prompt_usd_per_mtok + max_tokens * prices.completion_usd_per_mtok) / 1e6
+        return prices.prompt_usd_per_mtok / 1e6, prices.completion_usd_per_mtok / 1e6
     p, c = bounds
     if p > 0 and c > 0:
-        return n_prompt * p + max_tokens * c
-    return math.nan
+        return p * PRICE_HEADROOM, c * PRICE_HEADROOM
+    return None
+
+
+def usd_ask(n_prompt: int, max_tokens: int, prices: Any, bounds: tuple[float, float] | list[float]) -> float:
+    """The most one request can cost, as reserved ahead, at ``price_rates``; NaN when no price is known."""
+    rates = price_rates(prices, bounds)
+    return math.nan if rates is None else n_prompt * rates[0] + max_tokens * rates[1]
+
+
+def max_price(rates: tuple[float, float], own: Mapping[str, Any] | None) -> dict[str, float]:
+    """OpenRouter's ``provider.max_price`` (dollars per million tokens) at a reservation's rates, lowered to
+    the config's own ``max_price`` where that is lower: no provider dearer than the reservation assumed may
+    serve the request, so the bill cannot pass it."""
+    out = {"prompt": rates[0] * 1e6, "completion": rates[1] * 1e6}
+    for key, value in (own or {}).items():
+        try:
+            out[key] = min(out[key], float(value)) if key in out else value
+        except (TypeError, ValueError):
+            out[key] = value
+    return out
 
 
 @dataclass
@@ -279,14 +304,17 @@ class HttpEngine:
                 await asyncio.sleep(self.circuit.wait_s(time.monotonic()))
                 continue
             attempt: _Attempt | None = None
-            usd = self._usd_ask(row)  # asked anew each time: the price may have been learnt meanwhile
+            rates = price_rates(self.cfg.prices, self._usd_bounds)  # anew each time: it may have been learnt
+            usd = usd_ask(self._prompt_tokens(row), self.opts.max_tokens, self.cfg.prices, self._usd_bounds)
             async with self._slots:
                 if self._journal_failed is not None:  # checked again here: rows queue for a slot meanwhile
                     await self.ledger.halt(self._journal_failed)
                 decision = await self.ledger.reserve(dataset, self.opts.max_tokens, usd)
                 if decision == "granted":
                     attempts += 1
-                    attempt = await self._attempt(session, messages, tools, thinking, row, digest, attempts, usd)
+                    cap = rates if rates is not None and self._guards_price(dataset) else None
+                    attempt = await self._attempt(session, messages, tools, thinking, row, digest, attempts, usd,
+                                                  cap)
                     if self._journal_failed is not None:
                         await self.ledger.halt(self._journal_failed)
             if attempt is None:
@@ -393,11 +421,10 @@ class HttpEngine:
         return self._not_generated(row, attempts, f"source {self.source_name!r} halted: {reason}", cls)
 
     # -- dollars ------------------------------------------------------------------
-    def _usd_ask(self, row: dict[str, Any]) -> float:
-        """The most this prompt's request can cost: from configured prices, else from upper bounds of each
-        token price seen so far (a reply's cost over its prompt tokens bounds the prompt price, over its
-        completion tokens the completion price); NaN when unknown (the ledger then sends one probe at a time)."""
-        return usd_ask(self._prompt_tokens(row), self.opts.max_tokens, self.cfg.prices, self._usd_bounds)
+    def _guards_price(self, dataset: str) -> bool:
+        """Whether this dataset's requests carry ``provider.max_price``: a dollar cap, and an endpoint that takes
+        OpenRouter's provider object (``cfg.max_price_guard``)."""
+        return self.cfg.usd_budget(dataset) is not None and self.cfg.guards_price()
 
     @staticmethod
     def _prompt_tokens(row: dict[str, Any]) -> int:
@@ -413,11 +440,16 @@ class HttpEngine:
 
     async def _attempt(self, session: aiohttp.ClientSession, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None, thinking: bool, row: dict[str, Any], digest: str,
-                       attempts: int, usd: float = 0.0) -> _Attempt:
-        """One request under a granted reservation; settles or releases it exactly once."""
+                       attempts: int, usd: float = 0.0, cap: tuple[float, float] | None = None) -> _Attempt:
+        """One request under a granted reservation; settles or releases it exactly once. ``cap``: the rates
+        the reservation assumed, sent as ``provider.max_price``."""
         dataset = str(row["dataset"])
         reserved = self.opts.max_tokens
         body = build_request(messages, tools, thinking, self.opts, self._excluded())
+        if cap is not None:
+            provider = dict(body.get("provider") or {})
+            provider["max_price"] = max_price(cap, provider.get("max_price"))
+            body["provider"] = provider
         self.stats["requests"] += 1
         t0 = time.perf_counter()
         try:
