@@ -91,12 +91,6 @@ def read_index(path: Path, key: dict[str, Any] | None) -> pa.Table | None:
     return table
 
 
-def indexed_rows(path: Path, d: DatasetConfig) -> int | None:
-    """How many rows ``d``'s file has, by its index when that holds for the file as it is now; else None."""
-    table = read_index(path, index_key(d))
-    return None if table is None else table.num_rows
-
-
 def rows_left(table: pa.Table, skip: set[str], only: set[str] | None = None) -> set[int]:
     """The indices of the rows a generation pass reads (parsed, not in ``skip``, in ``only`` when given): the
     read parses these rows only."""

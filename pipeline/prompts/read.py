@@ -70,6 +70,20 @@ def read_finished_ids(layout: RunLayout) -> set[str]:
     return read_ids(layout.samples) | read_ids(layout.quarantine)
 
 
+def current_ids(d: DatasetConfig, layout: RunLayout) -> pa.Array:
+    """The ids of the rows ``d``'s file gives now (within ``max_rows``, malformed rows too): the rows this config
+    accounts for. A sample or quarantine row of another id (a repaired row's old id, a row past a lowered
+    ``max_rows``) stays in the folder, set aside (``summary.account``). The file's id index when it holds for the
+    file as it is (the index pass wrote it); else the file is parsed for its ids (no row held), not stored."""
+    table = id_index.read_index(layout.prompt_index(d.name), id_index.index_key(d))
+    if table is None:
+        seen = id_index.Collector()
+        for ok, row in iter_dataset(d, warn=False):
+            seen.add(row["sample_id"], ok)
+        table = seen.table()
+    return table.column("sample_id").combine_chunks()
+
+
 def check_prompt_files(cfg: RunConfig) -> None:
     """Each dataset file reads (``datasets.check_dataset``): its DatasetError now, before Ray starts."""
     for d in cfg.datasets:

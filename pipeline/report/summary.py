@@ -11,8 +11,12 @@ import json
 import time
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.base.config import ChecksConfig, DatasetConfig
 from pipeline.base.console import GenerateSnapshot
@@ -112,30 +116,85 @@ class Tally:
                                          self.estimated)
 
 
-def summarize(tally: Tally, counts: Counter, layout: RunLayout,
-              prices: Mapping[str, float | None] | None = None) -> dict[str, Any]:
-    """Figures over everything written for this run (including earlier, resumed attempts). ``prices``: dollars
-    per device-hour of each engine source (``pipeline.report.costs.engine_prices``) for the spend per dataset."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
+@dataclass(frozen=True)
+class Accounting:
+    """The folder's rows as the current config reads them. A sample or quarantine row counts only when the
+    current files give its id (within ``max_rows``): a repaired row's old id, a row past a lowered ``max_rows`` or
+    a removed dataset's stays on disk, set aside, and counted in neither conservation nor ``status``."""
 
+    rows: dict[str, int]  # dataset -> rows its file gives now
+    passed: dict[str, int]  # dataset -> of those, passed
+    held: dict[str, dict[str, str]]  # dataset -> id quarantined and never passed -> its first stage
+    quarantine: list[dict[str, Any]]  # the quarantine rows of those ids (an extract row of a passed sample too)
+    aside: dict[str, int]  # {"samples": n, "quarantined": m}: ids on disk the files no longer give
+
+    @property
+    def to_do(self) -> dict[str, int]:
+        """dataset -> its rows neither passed nor quarantined: what a re-run does."""
+        return {d: max(n - self.passed.get(d, 0) - len(self.held.get(d, {})), 0) for d, n in self.rows.items()}
+
+
+def in_files(ids: pa.Array | pa.ChunkedArray, current: Mapping[str, pa.Array]) -> pa.ChunkedArray | pa.Array:
+    """Per id, whether the current files give it (``current``: dataset -> ids, ``read.current_ids``): one hash
+    lookup an id, no Python row."""
+    every = pa.chunked_array(list(current.values()), pa.string()).combine_chunks()
+    return pc.is_in(ids, value_set=every)
+
+
+def account(samples: pa.Table, quarantine: list[dict[str, Any]], current: Mapping[str, pa.Array]) -> Accounting:
+    """``Accounting`` of ``samples`` (one row per id: ``read_sample_table``, with ``sample_id`` and ``dataset``)
+    and the quarantine rows (``sample_id``, ``dataset``, ``stage``) against ``current``. An id both quarantined
+    and passed (quarantined at extraction) counts as passed."""
+    ids = samples.column("sample_id")
+    mine = in_files(ids, current)
+    q_ids = pa.array([r["sample_id"] for r in quarantine], pa.string())
+    q_passed = pc.is_in(q_ids, value_set=ids.combine_chunks()).to_pylist()
+    q_mine = in_files(q_ids, current).to_pylist()
+    held: dict[str, dict[str, str]] = {}
+    kept, aside = [], set()
+    for r, was_passed, is_mine in zip(quarantine, q_passed, q_mine, strict=True):
+        if not is_mine:
+            if not was_passed:
+                aside.add(r["sample_id"])
+            continue
+        kept.append(r)
+        if not was_passed:
+            held.setdefault(r["dataset"], {}).setdefault(r["sample_id"], r["stage"])
+    n_mine = int(pc.sum(mine).as_py() or 0)
+    return Accounting(rows={d: len(a) for d, a in current.items()},
+                      passed=count_values(samples.filter(mine).column("dataset")), held=held, quarantine=kept,
+                      aside={"samples": samples.num_rows - n_mine, "quarantined": len(aside)})
+
+
+def aside_line(aside: Mapping[str, int]) -> str | None:
+    """What is set aside, in a line (None when nothing is): nothing on disk leaves the user's view unsaid."""
+    if not any(aside.values()):
+        return None
+    return (f"not in the current files: {aside['samples']} samples, {aside['quarantined']} quarantined (kept in "
+            "the folder, not counted: a row since edited, past max_rows or of a removed dataset; the samples are "
+            "still trained on)")
+
+
+def summarize(tally: Tally, counts: Counter, layout: RunLayout, current: Mapping[str, pa.Array],
+              prices: Mapping[str, float | None] | None = None) -> dict[str, Any]:
+    """Figures over everything written for this run (including earlier, resumed attempts). ``current``: each
+    dataset's ids as its file gives them now (``read.current_ids``): the rows in, passed and quarantined are
+    those ids' (``account``; the others set aside, counted in ``not_in_current_files``). ``prices``: dollars
+    per device-hour of each engine source (``pipeline.report.costs.engine_prices``) for the spend per dataset."""
     # one Arrow table: the token ids of 200,000 samples are counted, never turned into Python lists
     samples, dropped = read_sample_table(layout.samples, ["sample_id", "dataset", "output_ids", "checks_flagged",
                                                           "source", "cost", "engine_s"])
-    quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage", "reason"])
-    also_passed = (pc.is_in(pa.array([r["sample_id"] for r in quarantine], pa.string()),
-                            value_set=samples.column("sample_id").combine_chunks()).to_pylist() if quarantine else [])
-    q_ids = {r["sample_id"] for r, passed in zip(quarantine, also_passed, strict=True) if not passed}
-    rows_in = sum(v for k, v in counts.items() if k.endswith(".rows"))
-    datasets = sorted(k.rsplit(".", 1)[0] for k in counts if k.endswith(".rows"))
-    passed_by = count_values(samples.column("dataset"))
+    acc = account(samples, read_rows(layout.quarantine, ["sample_id", "dataset", "stage", "reason"]), current)
+    quarantine = acc.quarantine
     # Extraction may quarantine a sample already written as passed: it stays counted as passed
-    # generation and shows up under quarantine_by_stage.extract.
+    # generation and shows up under quarantine_by_stage.extract. Flags, tokens and costs are of every sample
+    # written: what training reads and what was spent, set-aside samples included.
     return {
-        "rows_in": rows_in,
-        "passed": samples.num_rows,
-        "quarantined": len(q_ids),
+        "rows_in": sum(acc.rows.values()),
+        "passed": sum(acc.passed.values()),
+        "quarantined": sum(len(q) for q in acc.held.values()),
         "not_generated": tally.status["not_generated"],
+        "not_in_current_files": acc.aside,
         "quarantine_by_stage": dict(Counter(r["stage"] for r in quarantine)),
         "quarantine_reasons": dict(Counter(_reason_key(r["reason"]) for r in quarantine).most_common(10)),
         "flagged": count_values(pc.list_flatten(samples.column("checks_flagged"))),
@@ -146,11 +205,8 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout,
                          "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6)},
         "audit": tally.audit.report(),
         "costs": cost_table_of(samples, prices or {}),  # every sample written, resumed attempts included
-        "by_dataset": {
-            d: {"rows": counts[f"{d}.rows"], "passed": passed_by.get(d, 0),
-                "quarantined": sum(r["dataset"] == d and r["sample_id"] in q_ids for r in quarantine)}
-            for d in datasets
-        },
+        "by_dataset": {d: {"rows": n, "passed": acc.passed.get(d, 0), "quarantined": len(acc.held.get(d, {}))}
+                       for d, n in sorted(acc.rows.items())},
     }
 
 
@@ -215,6 +271,7 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         f"  quarantined  {r['quarantined']}  by stage {r['quarantine_by_stage']}",
         f"  not generated {r['not_generated']} (left to do: budget spent, source halted or API down; "
         "a re-run does them)",
+        *([f"  {aside}"] if (aside := aside_line(r.get("not_in_current_files") or {})) else []),
         f"  flagged      {r['flagged']}",
         f"  tokens generated {r['tokens_generated']}, spend ${r['this_attempt']['cost_usd']:.4f}",
         *cost_lines(r.get("costs")),

@@ -22,10 +22,9 @@ import pyarrow.compute as pc
 
 from pipeline.base.layout import RunLayout, last_json_line
 from pipeline.base.records import count_values, read_rows, read_sample_table
-from pipeline.prompts.datasets import count_rows
-from pipeline.prompts.id_index import indexed_rows
+from pipeline.prompts.read import current_ids
 from pipeline.report.costs import cost_lines, cost_table_of, engine_prices
-from pipeline.report.summary import heldout_breakdown_lines
+from pipeline.report.summary import Accounting, account, aside_line, heldout_breakdown_lines
 from pipeline.run.config import RunConfig
 
 
@@ -40,24 +39,14 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
         return None, f"{path.name} is unreadable ({type(e).__name__}: {e})"
 
 
-def dataset_status(cfg: RunConfig, samples: pa.Table, quarantine: list[dict[str, Any]]) -> dict:
-    """Per configured dataset: rows, passed, quarantined (by stage; an id that also passed counts as passed)
-    and to do. ``samples`` holds one row per sample id (``read_sample_table``)."""
-    passed = count_values(samples.column("dataset"))
-    ids = samples.column("sample_id")
-    q_ids = pa.array([r["sample_id"] for r in quarantine], pa.string())
-    also_passed = pc.is_in(q_ids, value_set=ids.combine_chunks()).to_pylist() if len(quarantine) else []
-    held: dict[str, dict[str, str]] = {}  # dataset -> sample id -> stage (quarantined, never passed)
-    for r, was_passed in zip(quarantine, also_passed, strict=True):
-        if not was_passed:
-            held.setdefault(r["dataset"], {}).setdefault(r["sample_id"], r["stage"])
+def dataset_status(cfg: RunConfig, acc: Accounting) -> dict:
+    """Per configured dataset: rows its file gives now, of those passed, quarantined (by stage; an id that also
+    passed counts as passed) and to do (a re-run does exactly those), by id (``summary.account``)."""
     out = {}
     for d in cfg.datasets:
-        # the file's id index when it holds for the file as it is; else counted, streamed (no row held)
-        total = indexed_rows(RunLayout(cfg.output_dir).prompt_index(d.name), d) or count_rows(d)
-        p, q = passed.get(d.name, 0), held.get(d.name, {})
-        out[d.name] = {"rows": total, "passed": p, "quarantined": len(q),
-                       "quarantined_by_stage": dict(Counter(q.values())), "to_do": max(total - p - len(q), 0)}
+        q = acc.held.get(d.name, {})
+        out[d.name] = {"rows": acc.rows[d.name], "passed": acc.passed.get(d.name, 0), "quarantined": len(q),
+                       "quarantined_by_stage": dict(Counter(q.values())), "to_do": acc.to_do[d.name]}
     return out
 
 
@@ -142,12 +131,15 @@ def collect_status(cfg: RunConfig) -> dict[str, Any]:
     # one Arrow table, not a Python row per sample: status of a 200,000-sample folder in a few seconds
     samples, dropped = read_sample_table(layout.samples, ["sample_id", "dataset", "source",
                                                           "billed_completion_tokens", "cost", "engine_s"])
-    quarantine = read_rows(layout.quarantine, ["sample_id", "dataset", "stage"])
-    datasets = dataset_status(cfg, samples, quarantine)
+    # each file's ids as it is now (its id index, else the file parsed): only their rows are counted
+    current = {d.name: current_ids(d, layout) for d in cfg.datasets}
+    acc = account(samples, read_rows(layout.quarantine, ["sample_id", "dataset", "stage"]), current)
+    datasets = dataset_status(cfg, acc)
     return {
         "output_dir": str(out),
         "totals": {k: sum(d[k] for d in datasets.values()) for k in ("rows", "passed", "quarantined", "to_do")},
         "datasets": datasets,
+        "not_in_current_files": acc.aside,
         "samples_by_source": count_values(samples.column("source")),
         "duplicates_in_shards": dropped,
         "spend": spend_status(cfg, out, samples),
@@ -171,6 +163,8 @@ def format_status(s: dict[str, Any]) -> str:
         stages = f" {d['quarantined_by_stage']}" if d["quarantined_by_stage"] else ""
         lines.append(f"  {name:<16} {d['passed']:>7} passed {d['quarantined']:>6} quarantined{stages} "
                      f"{d['to_do']:>7} to do / {d['rows']}")
+    if aside := aside_line(s["not_in_current_files"]):
+        lines.append(f"  {aside}")
     if s["samples_by_source"]:
         lines.append(f"  samples by source: {s['samples_by_source']}")
     if s["duplicates_in_shards"]:
