@@ -108,9 +108,11 @@ def _write_quarantine(rows: list[dict[str, Any]], folder: Path) -> None:
 
 
 def index_dataset(d: DatasetConfig, layout: RunLayout, skip: set[str], worn: dict[str, dict[str, str]], *,
-                  keep_index: bool = True) -> Counter:
+                  keep_index: bool = True, token: str | None = None) -> Counter:
     """One dataset's index (an index task's body): its malformed rows and worn-out prompts not in ``skip``
     written to the run's quarantine; returns ``{name}.rows`` (every row, good or bad) and ``TO_DO``.
+    ``token``: the run lock's (``layout.lock``); each write then commits only while the lock is still the run's
+    (``run_lock.fence``), so a frozen driver's pass writes nothing into a folder another run took over.
 
     ``keep_index``: the file's ids are kept in ``layout.prompt_index`` (``id_index``). When that holds for the
     file as it is now and no row left to do needs writing to quarantine, the counts come from it and the file
@@ -137,12 +139,22 @@ def index_dataset(d: DatasetConfig, layout: RunLayout, skip: set[str], worn: dic
         else:
             counts[TO_DO] += 1
         if len(bad) >= QUARANTINE_CHUNK:
-            _write_quarantine(bad, layout.quarantine)
+            with _fenced(layout, token):
+                _write_quarantine(bad, layout.quarantine)
             bad = []
-    _write_quarantine(bad, layout.quarantine)
+    with _fenced(layout, token):
+        _write_quarantine(bad, layout.quarantine)
     if index is not None and key is not None and id_index.index_key(d) == key:  # the file did not change meanwhile
-        id_index.write_index(index, key, seen.table())
+        with _fenced(layout, token):
+            id_index.write_index(index, key, seen.table())
     return counts
+
+
+def _fenced(layout: RunLayout, token: str | None) -> contextlib.AbstractContextManager[None]:
+    """The run lock's fence for one write when a token was handed over, else nothing to honour."""
+    from pipeline.base.run_lock import fence
+
+    return fence(layout.lock, token) if token is not None else contextlib.nullcontext()
 
 
 def _reraise(e: Exception) -> NoReturn:
@@ -194,24 +206,25 @@ class IndexPass:
 
 
 def start_index(cfg: RunConfig, layout: RunLayout, skip: set[str] | Any,
-                worn: dict[str, dict[str, str]] | Any) -> IndexPass:
+                worn: dict[str, dict[str, str]] | Any, token: str | None = None) -> IndexPass:
     """Start the index pass, one Ray task per dataset. ``skip`` and ``worn`` (or object refs of them) go to the
-    object store once, not into every task's arguments."""
+    object store once, not into every task's arguments. ``token``: the run lock's, for ``index_dataset``."""
     import ray
 
     skip_ref = skip if isinstance(skip, ray.ObjectRef) else ray.put(skip)
     worn_ref = worn if isinstance(worn, ray.ObjectRef) else ray.put(worn)
     task = ray.remote(num_cpus=INDEX_CPUS, max_calls=1)(_index_task)
-    return IndexPass(cfg, [task.remote(d, layout, skip_ref, worn_ref) for d in cfg.datasets])
+    return IndexPass(cfg, [task.remote(d, layout, skip_ref, worn_ref, token) for d in cfg.datasets])
 
 
-def _index_task(d: DatasetConfig, layout: RunLayout, skip: set[str], worn: dict[str, dict[str, str]]) -> Counter:
+def _index_task(d: DatasetConfig, layout: RunLayout, skip: set[str], worn: dict[str, dict[str, str]],
+                token: str | None = None) -> Counter:
     """``index_dataset`` at the lowest CPU priority: a fresh run parses its files while the stage actors start
     and generate, and on a busy machine those come first (measured: the first answer ~4 s later at 200,000
     prompts with the pass at the workers' priority). ``max_calls=1``: the niced process is not reused."""
     with contextlib.suppress(OSError):
         os.nice(19)  # capped at 19
-    return index_dataset(d, layout, skip, worn)
+    return index_dataset(d, layout, skip, worn, token=token)
 
 
 def index_prompts(cfg: RunConfig, layout: RunLayout, skip: set[str] | Any,

@@ -296,7 +296,8 @@ def read_prompts(cfg: RunConfig, layout: RunLayout, done: set[str] | None = None
 
     done = finished_ids(layout) if done is None else done
     worn = worn_out(cfg, layout)
-    index = start_index(cfg, layout, done, worn)
+    lock = current_lock()  # the index tasks write into the folder too: only while the lock is still the run's
+    index = start_index(cfg, layout, done, worn, lock.token if lock is not None else None)
     skip = ray.put(done | worn.keys())
     if not done and not worn and cfg.routing.mode != "overflow":
         return PromptSet(cfg, skip, rows_upper_bound(cfg)[TO_DO], estimated=True), index

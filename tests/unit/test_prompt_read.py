@@ -228,6 +228,22 @@ def test_index_dataset_writes_what_read_prompts_wrote(tmp_path):
     assert counts[TO_DO] == sum(len(load_dataset(d)[0]) for d in datasets) - 2  # one done, one worn out
 
 
+def test_the_index_pass_writes_nothing_into_a_folder_whose_lock_is_not_the_runs(tmp_path):
+    """A frozen driver's index task after another run took the folder over: its quarantine shards and id index
+    are fenced by the lock (as the writer's shards are), so it raises LockLost and writes nothing."""
+    from pipeline.base.run_lock import LockLost, RunLock
+
+    d = _datasets(tmp_path)[3]  # the shipped malformed rows: the pass has quarantine rows to write
+    layout = RunLayout(tmp_path / "o")
+    with RunLock.for_folder(layout.root, settle_s=0) as lock:
+        with pytest.raises(LockLost):
+            index_dataset(d, layout, set(), {}, token="the-frozen-driver's")
+        assert not list(layout.quarantine.glob("*.parquet")) and not layout.prompt_index(d.name).exists()
+        counts = index_dataset(d, layout, set(), {}, token=lock.token)
+    assert counts[f"{d.name}.rows"] > 0 and list(layout.quarantine.glob("*.parquet"))
+    assert layout.prompt_index(d.name).exists()
+
+
 def test_the_index_pass_quarantines_rows_with_a_lone_surrogate(tmp_path):
     """A JSON \\u escape can write a lone surrogate, which UTF-8 (so a Parquet shard) has no form for: the
     quarantine shard holds it escaped, readable back to the row, and the good row beside it is left to do."""
