@@ -543,9 +543,11 @@ def _cards(report: dict[str, Any]) -> str:
 
 
 def _attention(report: dict[str, Any]) -> str:
-    from pipeline.report.summary import attention_lines
+    from pipeline.report.summary import aside_line, attention_lines
 
     lines = [ln.strip().lstrip("! ").strip() for ln in attention_lines(report)]
+    if aside := aside_line(report.get("not_in_current_files") or {}):
+        lines.append(aside)
     for name, src in (report.get("sources") or {}).items():
         if src.get("start_error"):
             lines.append(f"source {name} failed to start: {src['start_error'][:300]}")

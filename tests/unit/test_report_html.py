@@ -280,3 +280,13 @@ def test_a_value_or_plan_file_of_another_shape_is_said_not_raised():
     assert "not drawn" in ET.tostring(fig, encoding="unicode")
     page = render_report_html(full_report(), [], plan={"datasets": ["not a row"]})
     assert "value/plan.json not shown" in page
+
+
+def test_rows_set_aside_and_an_engine_that_left_prompts_are_named_for_attention():
+    report = full_report() | {"not_in_current_files": {"samples": 3, "quarantined": 1}}
+    report["sources"] = {"vllm": {"kind": "vllm", "served": 0, "left_to_do": {"engine": 5},
+                                  "engine_error": "engine error: RuntimeError: boom (on every prompt of a batch)"}}
+    page = render_report_html(report, [])
+    assert "not in the current files: 3 samples, 1 quarantined" in page
+    assert "source vllm: engine error: RuntimeError: boom" in page and "5 prompts left to do" in page
+    assert "not in the current files" not in render_report_html(full_report(), [])
