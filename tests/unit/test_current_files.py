@@ -16,20 +16,16 @@ from pipeline.base.layout import RunLayout, atomic_write_table, shard_name
 from pipeline.base.records import SAMPLE_SCHEMA, empty_sample, read_ids
 from pipeline.prompts.read import TO_DO, index_dataset, read_finished_ids, todo_rows
 from pipeline.report.summary import Tally, account, audit_for, format_report
-from pipeline.run.config import load_config
 from pipeline.run.job import run_summary
 from pipeline.run.status import collect_status, format_status, is_finished
+from tests.helpers.configs import formats_config
 
 GOOD = '{"messages": [{"role": "user", "content": "a"}]}'
 
 
 @pytest.fixture
 def cfg(repo_root: Path, tmp_path: Path):
-    cfg = load_config(repo_root / "configs" / "tiny_formats.yaml", base_dir=repo_root, check_paths=False)
-    cfg.output_dir = str(tmp_path / "out")
-    model = tmp_path / "model"
-    model.mkdir()
-    cfg.model.path = str(model)
+    cfg = formats_config(repo_root, tmp_path)
     cfg.training = None
     return cfg
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from pipeline.generate.sources.http.config import OpenRouterSourceConfig
-from pipeline.run.config import load_config
 from pipeline.run.manifest import (
     MANIFEST_FILE,
     ManifestMismatch,
@@ -16,18 +15,16 @@ from pipeline.run.manifest import (
     differences,
     model_fingerprint,
 )
+from tests.helpers.configs import formats_config
 
 
 @pytest.fixture
 def cfg(repo_root: Path, tmp_path: Path):
-    cfg = load_config(repo_root / "configs" / "tiny_formats.yaml", base_dir=repo_root, check_paths=False)
-    cfg.output_dir = str(tmp_path / "out")
+    cfg = formats_config(repo_root, tmp_path)
     model = tmp_path / "model"
-    model.mkdir()
     (model / "config.json").write_text('{"hidden_size": 8}')
     (model / "tokenizer.json").write_text('{"model": {}}')
     (model / "model.safetensors").write_bytes(b"\x00" * 64)
-    cfg.model.path = str(model)
     return cfg
 
 

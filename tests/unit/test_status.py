@@ -8,18 +8,13 @@ from pathlib import Path
 import pytest
 
 from pipeline.base.layout import RunLayout
-from pipeline.run.config import load_config
 from pipeline.run.status import collect_status, format_status
+from tests.helpers.configs import formats_config
 
 
 @pytest.fixture
 def cfg(repo_root: Path, tmp_path: Path):
-    cfg = load_config(repo_root / "configs" / "tiny_formats.yaml", base_dir=repo_root, check_paths=False)
-    cfg.output_dir = str(tmp_path / "out")
-    model = tmp_path / "model"
-    model.mkdir()
-    cfg.model.path = str(model)
-    return cfg
+    return formats_config(repo_root, tmp_path)
 
 
 def _metrics(layout: RunLayout, torn: bool) -> None:
