@@ -49,14 +49,20 @@ def read_value(layout: RunLayout) -> dict[str, Any]:
 
 def room(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, int]]:
     """Per dataset: rows its file holds (``max_rows`` ignored), rows read so far (passed, or quarantined and
-    never passed), how many passed, and the passed samples the rows left should give at that pass rate."""
+    never passed), how many passed, and the passed samples the rows left should give at that pass rate. Only
+    ids the file gives now count (``read.current_ids``): a repaired row's old quarantine row is not a row read."""
+    from pipeline.prompts.read import current_ids
+
+    every = {d.name: d.model_copy(update={"max_rows": None}) for d in cfg.datasets}
+    current = {name: set(current_ids(d, layout).to_pylist()) for name, d in every.items()}
     passed: dict[str, set[str]] = {}
     for r in read_samples(layout.samples, ["sample_id", "dataset"])[0]:
-        passed.setdefault(r["dataset"], set()).add(r["sample_id"])
+        if r["sample_id"] in current.get(r["dataset"], ()):
+            passed.setdefault(r["dataset"], set()).add(r["sample_id"])
     failed: dict[str, set[str]] = {}
     for r in read_rows(layout.quarantine, ["sample_id", "dataset"]):
-        if r["sample_id"] not in passed.get(r["dataset"], set()):  # quarantined at extraction: it passed
-            failed.setdefault(r["dataset"], set()).add(r["sample_id"])
+        if r["sample_id"] in current.get(r["dataset"], ()) and r["sample_id"] not in passed.get(r["dataset"], set()):
+            failed.setdefault(r["dataset"], set()).add(r["sample_id"])  # (quarantined at extraction: it passed)
     out = {}
     for d in cfg.datasets:
         rows = count_rows(d.model_copy(update={"max_rows": None}))
