@@ -203,7 +203,7 @@ def test_overflow_spills_prompts_a_late_local_engine_has_not_started(repo_root, 
     report, samples = go(budget=None)
     assert {r["source"] for r in samples} == {"api"} and all(r["ids_from"] != "engine" for r in samples)
     assert report["sources"]["hf"] == {"kind": "transformers", "served": 0, "spilled": 6, "left_to_do": {},
-                                       "start_error": None}
+                                       "start_error": None, "engine_error": None}
     assert report["sources"]["api"]["served"] == 6
 
     report, samples = go(budget=0)
