@@ -96,6 +96,30 @@ class RunConfig(Strict):
 
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping: PyYAML keeps the last silently, so a
+    pasted ``budgets_usd:`` below the first would drop a dollar cap without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # ``<<: *anchor`` merges; a key written beside it overrides it, as YAML means
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+                seen.setdefault(key, line)
+            except TypeError:
+                continue  # an unhashable key: the base constructor says so
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"key {key!r} appears twice (lines {first} and {line}): YAML would keep the last one "
+                    "silently; keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _resolve(path: str, base: Path) -> str:
     p = Path(path)
     return str(p if p.is_absolute() else (base / p))
@@ -112,7 +136,7 @@ def load_config(path: str | Path, *, base_dir: str | Path | None = None, check_p
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        raw = yaml.load(path.read_bytes().decode("utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (safe)
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
     except UnicodeDecodeError as e:
