@@ -51,7 +51,7 @@ def dataset_status(cfg: RunConfig, acc: Accounting) -> dict:
 
 
 def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]:
-    from pipeline.generate.ledger import read_journal
+    from pipeline.generate.ledger import read_journal_both
     from pipeline.generate.sources.http.totals import journal_totals
     from pipeline.generate.sources.registry import spending_sources
 
@@ -65,17 +65,20 @@ def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]
         billed = Counter({g["dataset"]: g["tokens_sum"] for g in per})
         cost = float(pc.sum(pc.fill_null(mine.column("cost"), 0.0)).as_py() or 0.0)
         layout = RunLayout(out)
-        committed = read_journal(str(layout.ledger(src.name)))
+        committed, committed_usd = read_journal_both(str(layout.ledger(src.name)))
         totals = journal_totals(layout.responses, src.name)  # one pass over the journal
         journaled = totals.billed
         if written is None:
             written = set(samples.column("sample_id").to_pylist())
         # paid for, not yet written (a killed attempt's): a re-run rebuilds these without paying again
         unwritten = Counter(dataset for sid, dataset in totals.responded.items() if sid not in written)
-        datasets = sorted(set(billed) | set(committed) | set(src.budgets) | set(journaled))
+        datasets = sorted(set(billed) | set(committed) | set(committed_usd) | set(src.budgets)
+                          | set(src.budgets_usd) | set(journaled))
         spend[src.name] = {
             "cost_usd_in_samples": round(cost, 6),
-            "datasets": {d: {"budget": src.budgets.get(d, src.default_budget), "committed": committed.get(d, 0),
+            "datasets": {d: {"budget": src.token_budget(d), "budget_usd": src.usd_budget(d),
+                             "committed": committed.get(d, 0),
+                             "committed_usd": round(committed_usd.get(d, 0.0), 6),
                              "billed_in_samples": billed.get(d, 0), "billed_in_journal": journaled.get(d, 0),
                              "paid_responses_not_written": unwritten.get(d, 0),
                              "held_by_killed_requests": max(0, committed.get(d, 0)
@@ -120,8 +123,15 @@ def training_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
     if index_error:
         res["hidden_shards"] = {"error": index_error}
     elif isinstance(index, dict):
-        shards = [e for e in index.get("shards") or [] if isinstance(e, dict)]
-        res["hidden_shards"] = {"files": len(shards), "samples": sum(int(e.get("samples", 0)) for e in shards)}
+        shards = index.get("shards")
+        entries = [e for e in shards if isinstance(e, dict)] if isinstance(shards, list) else []
+        counts = [e.get("samples") for e in entries]
+        if shards is not None and (len(entries) != len(shards)
+                                   or not all(type(c) is int and c >= 0 for c in counts)):
+            res["hidden_shards"] = {"error": f"{layout.hidden_index.name} is unreadable (a shard entry without a "
+                                             "sample count; the next extraction rebuilds it from the shards)"}
+        else:
+            res["hidden_shards"] = {"files": len(entries), "samples": sum(counts)}
     return res
 
 
@@ -155,6 +165,18 @@ def is_finished(s: dict[str, Any]) -> bool:
     return s["totals"]["to_do"] == 0 and (not tr["steps"] or (tr["exported"] and tr["step"] >= tr["steps"]))
 
 
+def _caps(v: dict[str, Any]) -> str:
+    """A dataset's caps as the ledger holds them: tokens, dollars (with the dollars committed), or "no cap"."""
+    caps = []
+    if v["budget"] is not None:
+        caps.append(f"cap {v['budget']} tokens")
+    if v.get("budget_usd") is not None:
+        caps.append(f"${v.get('committed_usd', 0.0):.4f} committed of a ${v['budget_usd']:.4f} cap")
+    elif v.get("committed_usd"):
+        caps.append(f"${v['committed_usd']:.4f} committed")
+    return ", ".join(caps) or "no cap"
+
+
 def format_status(s: dict[str, Any]) -> str:
     t = s["totals"]
     lines = [f"{s['output_dir']}: {t['passed']} passed, {t['quarantined']} quarantined, {t['to_do']} to do "
@@ -173,9 +195,8 @@ def format_status(s: dict[str, Any]) -> str:
     for name, sp in s["spend"].items():
         lines.append(f"  spend {name}: ${sp['cost_usd_in_samples']:.4f} billed in samples")
         for d, v in sp["datasets"].items():
-            budget = "no cap" if v["budget"] is None else f"budget {v['budget']}"
             lines.append(f"    {d:<16} {v['committed']} tokens committed, {v['billed_in_samples']} billed in "
-                         f"samples, {v['billed_in_journal']} billed in the response journal, {budget}")
+                         f"samples, {v['billed_in_journal']} billed in the response journal, {_caps(v)}")
             if v["paid_responses_not_written"]:
                 lines.append(f"    {'':<16} {v['paid_responses_not_written']} paid responses not yet written "
                              "(a re-run uses them without paying again)")

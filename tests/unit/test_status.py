@@ -76,3 +76,40 @@ def test_a_damaged_manifest_and_shard_index_are_reported(cfg):
     text = format_status(s)
     assert "manifest not checked: manifest.json is unreadable" in text
     assert "hidden shards: index.json is unreadable" in text
+
+
+@pytest.mark.parametrize("index", [{"shards": [{"file": "a.arrow", "samples": None}]},
+                                   {"shards": [{"file": "a.arrow", "samples": "x"}]},
+                                   {"shards": [{"file": "a.arrow", "samples": 3}, "a.arrow"]},
+                                   {"shards": {"file": "a.arrow"}}])
+def test_a_shard_index_of_the_wrong_shape_is_reported(cfg, index):
+    layout = RunLayout(cfg.output_dir)
+    layout.hidden.mkdir(parents=True)
+    layout.hidden_index.write_text(json.dumps(index))
+    s = collect_status(cfg)
+    assert "index.json is unreadable" in s["training"]["hidden_shards"]["error"]
+    assert "hidden shards: index.json is unreadable" in format_status(s)
+
+
+def test_dollar_caps_and_the_dollars_committed_are_shown(cfg):
+    """A dataset capped only in dollars is capped: status names the cap and what the ledger committed against it
+    (it said "no cap" before)."""
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+
+    cfg.sources.append(OpenRouterSourceConfig.model_validate(
+        {"kind": "openrouter", "name": "api", "model": "moonshotai/kimi-k2.5",
+         "budgets": {"code": 900}, "budgets_usd": {"chat": 40.0}, "default_budget": "unlimited"}))
+    layout = RunLayout(cfg.output_dir)
+    layout.root.mkdir(parents=True)
+    layout.ledger("api").write_text(json.dumps({"#format": 2, "tokens": {"chat": 500, "code": 70, "math": 5},
+                                                "usd": {"chat": 12.5, "math": 0.25}}))
+    s = collect_status(cfg)
+    per = s["spend"]["api"]["datasets"]
+    assert (per["chat"]["budget"], per["chat"]["budget_usd"]) == (None, 40.0)
+    assert (per["chat"]["committed"], per["chat"]["committed_usd"]) == (500, 12.5)
+    assert (per["code"]["budget"], per["code"]["budget_usd"]) == (900, None)
+    text = format_status(s)
+    assert "500 tokens committed" in text and "$12.5000 committed of a $40.0000 cap" in text
+    assert "cap 900 tokens" in text and "$0.2500 committed, " not in text
+    math_line = next(line for line in text.splitlines() if line.split()[:3] == ["math", "5", "tokens"])
+    assert math_line.endswith("$0.2500 committed")  # unlimited: what was committed, and no cap
