@@ -298,6 +298,23 @@ class TrainWatch:
 # ----------------------------------------------------------------------------- the writer
 
 
+def plain_every_s() -> float:
+    """``PIPELINE_PROGRESS_S`` when it is a number of seconds > 0, else the default (and a warning on stderr
+    naming it, once per console): a typo in it must not stop a run, nor 0 flood the console."""
+    raw = os.environ.get(PROGRESS_ENV, "").strip()
+    if not raw:
+        return PLAIN_EVERY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isfinite(value) and value > 0:
+        return value
+    print(f"! {PROGRESS_ENV}={raw[:40]!r} is not a number of seconds > 0: progress every {PLAIN_EVERY_S:g} s",
+          file=sys.stderr, flush=True)
+    return PLAIN_EVERY_S
+
+
 class Console:
     """Writes the run's own lines; progress lines are redrawn in place on a terminal, printed every so often
     otherwise. Thread-safe: a phase's ticker thread and the main thread share it."""
@@ -307,8 +324,7 @@ class Console:
         self.stream = stream if stream is not None else sys.stdout
         isatty = getattr(self.stream, "isatty", lambda: False)()
         self.tty = (isatty if tty is None else tty) and not verbose  # log lines would tear a redrawn line
-        self.every_s = every_s if every_s is not None else (
-            TTY_EVERY_S if self.tty else float(os.environ.get(PROGRESS_ENV) or PLAIN_EVERY_S))
+        self.every_s = every_s if every_s is not None else (TTY_EVERY_S if self.tty else plain_every_s())
         self.verbose, self.capture, self.title = verbose, capture, title
         self._lock = threading.RLock()
         self._live = ""  # the line being redrawn (terminal only)

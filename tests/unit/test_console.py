@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pipeline.base.console import (
     Console,
     ExtractWatch,
@@ -308,3 +310,15 @@ def test_transformers_is_imported_only_where_used_and_then_logs_to_its_file(tmp_
     assert done.returncode == 0, done.stderr[-2000:]
     assert "a line from transformers" in (tmp_path / "transformers.log").read_text()
     assert "a line from transformers" not in (tmp_path / "output.log").read_text()
+
+
+@pytest.mark.parametrize(("raw", "every"), [("5", 5.0), (" 0.5 ", 0.5), ("", 30.0), ("abc", 30.0), ("0", 30.0),
+                                            ("-5", 30.0), ("nan", 30.0), ("inf", 30.0)])
+def test_the_progress_interval_from_the_environment(monkeypatch, capsys, raw, every):
+    """A bad ``PIPELINE_PROGRESS_S`` falls back to the default with one warning: it stopped the run with a
+    traceback (``abc``) or flooded the console (``0``) before."""
+    monkeypatch.setenv("PIPELINE_PROGRESS_S", raw)
+    console = Console(io.StringIO(), tty=False)
+    assert console.every_s == every
+    warned = capsys.readouterr().err
+    assert ("PIPELINE_PROGRESS_S" in warned) == (raw.strip() not in ("", "5", "0.5"))
