@@ -85,25 +85,9 @@ def _check(args: argparse.Namespace) -> int:
     cfg = _load(args, check_paths=not args.no_paths)
     if cfg is None:
         return 2
-    if not args.no_paths:  # what a resume reads first, read now: an unreadable file is one line, not a traceback
-        from pipeline.base.config import ConfigError
-        from pipeline.base.layout import RunLayout
-        from pipeline.base.records import read_rows
-        from pipeline.generate.ledger import read_journal
-        from pipeline.generate.sources.registry import spending_sources
-        from pipeline.run.manifest import read_manifest
-
-        layout = RunLayout(cfg.output_dir)
-        try:
-            if layout.manifest.is_file():
-                read_manifest(layout.manifest)
-            for src in spending_sources(cfg.sources):
-                read_journal(str(layout.ledger(src.name)))
-            for folder in (layout.samples, layout.quarantine):
-                read_rows(folder, ["sample_id"])
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+    if not args.no_paths and (problem := _run_problem(cfg)):
+        print(problem, file=sys.stderr)
+        return 2
     print(f"{args.config}: ok — {len(cfg.datasets)} datasets, sources "
           f"{[f'{s.kind}:{s.name}' for s in cfg.sources]}, output {cfg.output_dir}")
     from pipeline.base.console import describe_training
@@ -113,6 +97,40 @@ def _check(args: argparse.Namespace) -> int:
 
     print(sizing_note(cfg.model, cfg.extraction))
     return 0
+
+
+def _run_problem(cfg: RunConfig) -> str | None:
+    """What ``run`` would refuse before Ray starts, found without writing anything: the output folder, the API
+    keys (local Ray), the prompt files, the files a resume reads first and the manifest; one line, or None."""
+    from pipeline.base.layout import RunLayout
+    from pipeline.base.records import read_rows
+    from pipeline.generate.ledger import read_journal_both
+    from pipeline.generate.sources.registry import spending_sources
+    from pipeline.prompts.read import check_prompt_files
+    from pipeline.run.job import check_api_keys, has_finished_rows, output_problem
+    from pipeline.run.manifest import read_manifest
+    from pipeline.run.status import manifest_status
+
+    layout = RunLayout(cfg.output_dir)
+    if problem := output_problem(layout.root):
+        return f"config error: {problem}"
+    refusals = _refusals()
+    try:
+        check_api_keys(cfg)
+        check_prompt_files(cfg)
+        if layout.manifest.is_file():
+            read_manifest(layout.manifest)
+        for src in spending_sources(cfg.sources):
+            read_journal_both(str(layout.ledger(src.name)))
+        for folder in (layout.samples, layout.quarantine):
+            read_rows(folder, ["sample_id"])
+    except tuple(refusals) as e:
+        return f"{next(w for cls, w in refusals.items() if isinstance(e, cls))}: {e}"
+    if has_finished_rows(layout) and (diffs := manifest_status(cfg, layout.root)["differences"]):
+        listing = "\n".join(f"  {d}" for d in diffs)
+        return (f"refusing to resume: {layout.root} holds samples made with other settings; resuming would mix "
+                f"them:\n{listing}")
+    return None
 
 
 def _status(args: argparse.Namespace) -> int:

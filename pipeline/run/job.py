@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
@@ -256,6 +257,22 @@ def prepare_output(layout: RunLayout) -> None:
         raise ConfigError(f"output_dir {root}: not writable by this user") from None
     except OSError as e:
         raise ConfigError(f"output_dir {root}: cannot be written ({e.strerror})") from None
+
+
+def output_problem(root: Path) -> str | None:
+    """Why ``prepare_output`` would refuse ``root``, found without creating or writing anything (``check``)."""
+    if root.exists():
+        if not root.is_dir():
+            return f"output_dir {root}: is a file, not a folder"
+        return None if os.access(root, os.W_OK | os.X_OK) else f"output_dir {root}: not writable by this user"
+    parent = root.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"output_dir {root}: a part of the path is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"output_dir {root}: not writable by this user ({parent} is not)"
+    return None
 
 
 def check_budget_journals(cfg: RunConfig, layout: RunLayout) -> None:

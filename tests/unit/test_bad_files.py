@@ -22,7 +22,8 @@ from pipeline.run.manifest import check_or_write_manifest
 
 
 @pytest.fixture
-def config(tmp_path: Path) -> Path:
+def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or-test")  # `check` asks for it, as a local Ray's run does
     (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     cfg = {"output_dir": str(tmp_path / "out"), "model": {"profile": "deepseek"},
            "datasets": [{"name": "chat", "path": str(tmp_path / "chat.jsonl")}],
