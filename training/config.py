@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from pipeline.base.config import Resources, Strict, aux_layer_ids_problem
 
 # vLLM's names (llama_eagle3.py reads them from the drafter's config.json); see training/model.py
 ARCHITECTURE_FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
@@ -12,14 +14,12 @@ LossName = Literal["ce", "tv", "lk_alpha", "lk_lambda"]
 Precision = Literal["auto", "bf16", "fp32"]
 
 
-class DraftTrainConfig(BaseModel):
+class DraftTrainConfig(Strict):
     """Hyper-parameters and resources of one drafter training run.
 
     Defaults suit the tiny CPU target; raise `batch_tokens`, `max_len` and
     `draft_vocab_size` (and lower `lr` to ~1e-4) for real targets.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(1000, ge=1, description="optimizer steps (epochs cycle as needed)")
     batch_tokens: int = Field(2048, ge=1, description="token budget of one packed batch per worker")
@@ -73,7 +73,7 @@ class DraftTrainConfig(BaseModel):
         "project's CPU bench), fp32 on other CPUs. Decided on each training worker, for its own device")
     num_workers: int = Field(1, ge=1)
     use_gpu: bool = False
-    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    resources_per_worker: Resources = Field(default_factory=lambda: {"CPU": 1.0})
     seed: int = 0
     checkpoint_every: int = Field(200, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
@@ -114,9 +114,9 @@ class DraftTrainConfig(BaseModel):
     @field_validator("aux_layer_ids")
     @classmethod
     def _distinct_sorted(cls, ids: list[int] | None) -> list[int] | None:
-        # vLLM captures sorted(set(ids)): any other order or a duplicate breaks the fc input.
-        if ids is not None and (len(ids) != 3 or sorted(set(ids)) != ids):
-            raise ValueError(f"aux_layer_ids must be 3 strictly increasing ids, got {ids}")
+        # the same rule as extraction.aux_layer_ids: the two must name layers vLLM captures in this order
+        if problem := aux_layer_ids_problem(ids):
+            raise ValueError(problem)
         return ids
 
 

@@ -14,15 +14,56 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.profiles import PROFILE_NAMES
 
 
+def _takes_number(annotation: Any) -> bool:
+    """Whether a field's type takes an int or a float anywhere (alone, optional, as dict values or list items)."""
+    return annotation in (int, float) or any(_takes_number(a) for a in get_args(annotation))
+
+
+def _boolean_in(value: Any, where: str) -> str | None:
+    """The dotted key in ``value`` (a scalar, or a dict's values / a list's items) holding a boolean, or None."""
+    if isinstance(value, bool):
+        return where
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    return next((w for k, v in items if (w := _boolean_in(v, f"{where}.{k}"))), None)
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every config schema: unknown keys refused, numbers finite and never booleans.
+
+    YAML 1.1 reads an unquoted true/false, yes/no, on/off as a boolean and Python counts a boolean as the int 1
+    or 0, so without the check ``budgets: {chat: yes}`` would be a cap of one token and ``default_budget: no`` a
+    cap of zero: a slip silently becoming a spending decision. ``.inf``/``.nan`` are refused for every float (a
+    NaN threshold never fires, an infinite timeout never ends).
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, data: Any) -> Any:
+        # a model validator, not a "*" field validator: pydantic allows none of those on a union's `kind`
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                key = field.alias if field.alias and field.alias in data else name
+                if key in data and _takes_number(field.annotation) and (where := _boolean_in(data[key], key)):
+                    raise ValueError(f"{where}: expected a number, got a boolean (YAML reads unquoted true/false, "
+                                     "yes/no and on/off as booleans)")
+        return data
 
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -61,6 +102,18 @@ class ModelConfig(Strict):
         return v
 
 
+def aux_layer_ids_problem(ids: list[int] | None) -> str | None:
+    """Why ``aux_layer_ids`` cannot be captured, or None. vLLM captures ``sorted(set(ids))``: any other order or
+    a duplicate breaks the drafter's fc input, and a negative id names no decoder layer. (The upper bound, the
+    target's layer count, is checked once the target is known: training.config.resolve_aux_layer_ids.)"""
+    if ids is not None and (len(ids) != 3 or sorted(set(ids)) != ids or ids[0] < 0):
+        return f"aux_layer_ids must be 3 strictly increasing layer ids >= 0, got {ids}"
+    return None
+
+
+Resources = dict[str, Annotated[float, Field(ge=0)]]  # custom Ray resources: amounts >= 0
+
+
 class SamplingConfig(Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -71,27 +124,40 @@ class SamplingConfig(Strict):
 CheckMode = Literal["quarantine", "flag", "off"]
 
 
+def _check_switch(value: Any) -> Any:
+    """An unquoted ``off`` (or ``no``/``false``) is YAML's boolean false: it means the mode ``off``. A true has
+    no mode to mean (quarantine or flag?), so it is refused naming them."""
+    if value is False:
+        return "off"
+    if value is True:
+        raise ValueError("on/yes/true is not a check mode: write quarantine, flag or off")
+    return value
+
+
+CheckSetting = Annotated[CheckMode, BeforeValidator(_check_switch)]
+
+
 class ChecksConfig(Strict):
     """What each named check does when it fails: quarantine the sample, flag it, or skip the check."""
 
-    structure: CheckMode = "quarantine"
+    structure: CheckSetting = "quarantine"
     # Engine ids that do not re-encode are real (non-canonical) model output: flag and count them.
-    roundtrip: CheckMode = "flag"
+    roundtrip: CheckSetting = "flag"
     # Rebuilt ids that do not re-encode mean the rebuild or tokenizer is broken: quarantine.
-    roundtrip_rebuilt: CheckMode = "quarantine"
+    roundtrip_rebuilt: CheckSetting = "quarantine"
     # Only rebuilt ids are billed (engines bill nothing): ids that cannot account for the bill,
     # over both thresholds below, are not trustworthy training data.
-    billing: CheckMode = "quarantine"
-    tool_semantics: CheckMode = "quarantine"
-    empty_content: CheckMode = "flag"
-    truncated: CheckMode = "flag"
-    repetition: CheckMode = "quarantine"
-    max_length: CheckMode = "quarantine"
-    repetition_ngram: int = 8
-    repetition_max_repeats: int = 8
-    max_total_tokens: int = 32768
-    billing_abs_threshold: int = 8
-    billing_rel_threshold: float = 0.05
+    billing: CheckSetting = "quarantine"
+    tool_semantics: CheckSetting = "quarantine"
+    empty_content: CheckSetting = "flag"
+    truncated: CheckSetting = "flag"
+    repetition: CheckSetting = "quarantine"
+    max_length: CheckSetting = "quarantine"
+    repetition_ngram: int = Field(8, gt=0)
+    repetition_max_repeats: int = Field(8, gt=0)  # a loop seen once is no repetition
+    max_total_tokens: int = Field(32768, gt=0)
+    billing_abs_threshold: int = Field(8, ge=0)
+    billing_rel_threshold: float = Field(0.05, ge=0)
     # Audit gate: most detections (failed + flagged) a check may have before `audit` exits non-zero.
     # Unlisted checks allow 0 in quarantine mode and any number in flag mode.
     max_failures: dict[str, int] = Field(default_factory=dict)
@@ -107,6 +173,23 @@ class ChecksConfig(Strict):
         return self
 
 
+# The fields each dataset format reads, which ``columns:`` may remap (pipeline.prompts.datasets.DEFAULT_COLUMNS
+# holds the same keys with their default column names; a test holds the two equal).
+FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "messages": ("messages", "tools"),
+    "sharegpt": ("conversations", "system", "tools"),
+    "instruction": ("instruction", "input", "system"),
+    "glaive": ("system", "chat"),
+}
+
+
+def may_serve(allowed: Sequence[str] | None, source: str) -> bool:
+    """Whether ``source`` may serve a dataset whose ``sources:`` is ``allowed``: None (the key left out) lets
+    every source serve it, a list only those it names. The one rule both the router (who gets a prompt) and the
+    budget check (who needs a cap) ask, so a source can never be routed a dataset it was not capped for."""
+    return allowed is None or source in allowed
+
+
 class DatasetConfig(Strict):
     """A prompt file, how to read its rows, and how its prompts are generated."""
 
@@ -117,13 +200,31 @@ class DatasetConfig(Strict):
     columns: dict[str, str] = Field(default_factory=dict)
     thinking: bool = True
     max_rows: int | None = Field(None, gt=0)
-    sources: list[str] | None = None  # names of the sources allowed to serve this dataset
+    sources: list[str] | None = None  # names of the sources allowed to serve this dataset (left out: all)
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
 
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
         return check_name("dataset", v)
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        # an unknown key would be ignored: `columns: {tool: functions}` silently drops every prompt's tools
+        fmt = info.data.get("format")
+        if fmt in FORMAT_FIELDS and (unknown := sorted(set(v) - set(FORMAT_FIELDS[fmt]))):
+            raise ValueError(f"unknown fields {unknown} for format {fmt}: columns maps the fields the format "
+                             f"reads to the file's column names (allowed keys: {', '.join(FORMAT_FIELDS[fmt])})")
+        return v
+
+    @field_validator("sources")
+    @classmethod
+    def _some_source(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v:
+            raise ValueError("an empty list lets no source serve this dataset: name at least one source, or "
+                             "leave sources out to let every source serve it")
+        return v
 
 
 def engine_actor_resources(num_cpus: float, num_gpus: float, tensor_parallel_size: int,
@@ -150,17 +251,25 @@ class SourceConfigBase(Strict):
     kind: str
     name: str
     num_actors: int = Field(1, gt=0)
-    max_actors: int | None = None  # > num_actors: Ray Data grows the pool while the queue is backed up
+    max_actors: int | None = Field(None, gt=0)  # > num_actors: Ray Data grows the pool while the queue is backed up
     num_cpus: float = Field(1.0, ge=0)
     batch_size: int = Field(16, gt=0)
     # Custom Ray resources the actor needs in all (e.g. {h200: 8} to stay on cluster.yaml's H200 nodes, {api_node:
     # 1} to keep HTTP actors on the nodes that carry it)
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
         return check_name("source", v)
+
+    @model_validator(mode="after")
+    def _pool_bounds(self) -> SourceConfigBase:
+        # the pool would silently stay at num_actors (pipeline.generate.sources.chain takes the larger)
+        if self.max_actors is not None and self.max_actors < self.num_actors:
+            raise ValueError(f"source {self.name!r}: max_actors ({self.max_actors}) is below num_actors "
+                             f"({self.num_actors}); the pool grows from num_actors up to max_actors")
+        return self
 
     def describe(self) -> list[str]:
         """What the console says of this source after its kind: ``model m``, ``2-4 actors``, its caps."""
@@ -243,15 +352,22 @@ class ExtractionConfig(Strict):
     # training never multiplies by the full lm_head (false: each training worker computes it once per sample).
     # Unset: on, except for a vllm engine with TP > 1, whose actor holds no GPU of its own
     target_ids: bool | None = None
-    num_actors: int = 1
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    num_actors: int = Field(1, gt=0)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
     # backend vllm on GPUs: TP > 1 places each actor like a vLLM source's (pipeline.generate.sources.chain): a
     # placement group of TP one-GPU bundles on one node, filled by the engine's Ray TP workers
     tensor_parallel_size: int = Field(1, gt=0)
-    resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources, as for engine sources
+    resources: Resources = Field(default_factory=dict)  # custom Ray resources, as for engine sources
     # memory of one GPU in GB (10^9 bytes) for the sizing check (pipeline.base.sizing): 141 = H200, 80 = H100
     gpu_memory_gb: float = Field(141.0, gt=0)
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _capturable(cls, ids: list[int] | None) -> list[int] | None:
+        if problem := aux_layer_ids_problem(ids):
+            raise ValueError(problem)
+        return ids
 
     @model_validator(mode="after")
     def _parallelism(self) -> ExtractionConfig:
@@ -282,7 +398,7 @@ class ExtractionConfig(Strict):
 
 class RayConfig(Strict):
     address: str | None = None  # else RAY_ADDRESS, else a local Ray
-    num_cpus: int | None = None
+    num_cpus: int | None = Field(None, gt=0)
     # An actor pool that fits on no node gets this long for one to join (an autoscaler is asked), then the run
     # stops with exit 3 naming the missing resources (pipeline.run.placement).
     placement_timeout_s: float = Field(60.0, ge=0)

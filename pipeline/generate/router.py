@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.base.config import RoutingConfig, SourceRoute, ToolRule, check_routing
+from pipeline.base.config import RoutingConfig, SourceRoute, ToolRule, check_routing, may_serve
 from pipeline.generate.sources.registry import source_kind
 
 
@@ -127,7 +127,8 @@ class Router:
 
     sources: tuple[SourceInfo, ...]
     weights: Mapping[str, float]
-    allowed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # dataset -> names; absent: all
+    # dataset -> the names its `sources:` lists; absent: every source (pipeline.base.config.may_serve)
+    allowed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     tool_rules: Mapping[str, ToolRule] = field(default_factory=dict)
     default_tool_rule: ToolRule = "any"
     reroute: bool = True
@@ -144,7 +145,7 @@ class Router:
     def eligible(self, dataset: str, has_tools: bool) -> list[str]:
         """Sources allowed to serve a prompt of this dataset (config order)."""
         allowed = self.allowed.get(dataset)
-        out = [s for s in self.sources if allowed is None or s.name in allowed]
+        out = [s for s in self.sources if may_serve(allowed, s.name)]
         if has_tools:
             rule = self.tool_rules.get(dataset, self.default_tool_rule)
             if rule == "exact_ids":
@@ -220,7 +221,8 @@ def build_router(sources: Sequence[Any], datasets: Sequence[Any], routing: Routi
     routing = routing or RoutingConfig()
     check_routing(routing, [s.name for s in sources], [d.name for d in datasets])
     infos = source_infos(sources, routing)
-    allowed = {d.name: tuple(d.sources) for d in datasets if getattr(d, "sources", None)}
+    # an empty list stays empty (no source), as the budget check reads it: never "any source"
+    allowed = {d.name: tuple(d.sources) for d in datasets if getattr(d, "sources", None) is not None}
     spill_at = None
     if routing.mode == "overflow" and routing.spill_late and started_at is not None:
         assert routing.deadline_s is not None

@@ -75,17 +75,18 @@ def run_manifest(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+def differences(old: Any, new: Any, prefix: str = "", *, lenient: bool = False) -> list[str]:
     """Dotted paths where two manifests differ, with both values. Keys present in only one side count
-    as differences except under `sources` and `thinking`, where adding a source or dataset is allowed, and
-    inside one source's entry, where a field one version of the pipeline records and another does not
-    (e.g. a transport address once recorded) says nothing about the samples."""
+    as differences except under `thinking`, where adding a dataset is allowed, and among one source's own
+    fields (``lenient``), where a field one version of the pipeline records and another does not (e.g. a
+    transport address once recorded) says nothing about the samples. Below a field they count again: a key
+    added to or taken from a source's ``extra_body`` changes what was asked for."""
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
         for key in sorted(set(old) | set(new)):
             path = f"{prefix}.{key}" if prefix else key
             if key not in old or key not in new:
-                if prefix == "thinking" or prefix.startswith("sources."):
+                if prefix == "thinking" or lenient:
                     continue
                 out.append(f"{path}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
                 continue
@@ -94,7 +95,7 @@ def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
     if prefix == "sources" and isinstance(old, list) and isinstance(new, list):
         old_by, new_by = {s["name"]: s for s in old}, {s["name"]: s for s in new}
         return [d for name in sorted(set(old_by) & set(new_by))
-                for d in differences(old_by[name], new_by[name], f"sources.{name}")]
+                for d in differences(old_by[name], new_by[name], f"sources.{name}", lenient=True)]
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 

@@ -523,3 +523,63 @@ def test_a_local_ray_starts_its_workers_at_the_configured_niceness(workdir, monk
     init_ray(cfg)
     assert calls and calls[0]["address"] == "local"
     assert calls[0]["_system_config"] == {"worker_niceness": niceness}
+
+
+# -- which sources may serve a dataset, and which columns it remaps ----------------
+
+
+def test_an_empty_sources_list_is_refused_naming_the_key(workdir):
+    """`sources: []` read as "no source" by the budget check but "any source" by the router: an API source spent
+    on the dataset with no cap. It means nothing a user wants, so it is refused; leaving the key out means all."""
+    cfg = _with_api(budgets={"chat": 10})
+    cfg["datasets"][1]["sources"] = []
+    msg = _error(workdir, cfg)
+    assert re.search(r"^\s*datasets\.1\.sources: an empty list lets no source serve this dataset", msg, re.M), msg
+    assert "leave sources out" in msg
+
+
+@pytest.mark.parametrize("listed", [None, ["api"], ["local"], []])
+def test_the_router_and_the_budget_check_agree_on_who_may_serve_a_dataset(listed):
+    """One rule (pipeline.base.config.may_serve) for both: a source the router may send a dataset's prompts
+    to is exactly one the budget check asks for a cap on that dataset, whatever ``sources`` holds (an empty
+    list, refused by the schema, included)."""
+    from types import SimpleNamespace
+
+    from pipeline.base.config import RoutingConfig, may_serve
+    from pipeline.generate.router import build_router
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+    from pipeline.generate.sources.registry import SOURCES
+
+    api = OpenRouterSourceConfig(name="api", model="m", budgets={})  # no cap on anything
+    local = SOURCES["vllm"].config(name="local")
+    data = SimpleNamespace(name="code", sources=listed)
+    router = build_router([local, api], [data], RoutingConfig(), 10)
+    routed = set(router.eligible("code", has_tools=False))
+    assert routed == {s for s in ("local", "api") if may_serve(listed, s)}
+    needs_cap = api.run_problem([data]) is not None
+    assert needs_cap == ("api" in routed)
+    if listed == []:
+        assert routed == set() and router.assign([{"sample_id": "code:0:x", "dataset": "code"}])[1]
+
+
+def test_columns_keys_must_be_fields_of_the_format(workdir):
+    """An unknown key under columns was ignored: `{tool: functions}` dropped the tools of every prompt."""
+    msg = _error(workdir, _edit(datasets__0__columns={"tool": "functions"}))
+    assert re.search(r"^\s*datasets\.0\.columns: unknown fields \['tool'\] for format messages", msg, re.M), msg
+    assert "allowed keys: messages, tools" in msg
+    msg = _error(workdir, _edit(datasets__1__columns={"question": "q"}))  # instruction's field is `instruction`
+    assert "allowed keys: instruction, input, system" in msg
+    for fmt, field in (("messages", "tools"), ("sharegpt", "conversations"), ("glaive", "chat"),
+                       ("instruction", "input")):
+        cfg = _edit(datasets__0__format=fmt, datasets__0__columns={field: "x"})
+        assert load_config(_write(workdir, cfg), base_dir=workdir).datasets[0].columns == {field: "x"}
+
+
+def test_the_columns_the_schema_allows_are_the_ones_the_reader_reads():
+    from typing import get_args
+
+    from pipeline.base.config import FORMAT_FIELDS, DatasetConfig
+    from pipeline.prompts.datasets import DEFAULT_COLUMNS
+
+    assert {f: set(c) for f, c in FORMAT_FIELDS.items()} == {f: set(c) for f, c in DEFAULT_COLUMNS.items()}
+    assert set(get_args(DatasetConfig.model_fields["format"].annotation)) == set(FORMAT_FIELDS)

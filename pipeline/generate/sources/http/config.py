@@ -6,15 +6,27 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.base.config import DatasetConfig, SamplingConfig, SourceConfigBase, Strict
+from pipeline.base.config import DatasetConfig, SamplingConfig, SourceConfigBase, Strict, may_serve
 from pipeline.base.console import quantity
 from pipeline.generate.sources.kind import SourceKind
+
+
+class MaxPrice(Strict):
+    """OpenRouter's ``provider.max_price``: the most a provider may charge, in dollars per million prompt and
+    completion tokens, per request and per image; a key left out caps nothing. Its keys are OpenRouter's (a
+    misspelt one would cap nothing there), each a finite amount >= 0."""
+
+    prompt: float | None = Field(None, ge=0)
+    completion: float | None = Field(None, ge=0)
+    request: float | None = Field(None, ge=0)
+    image: float | None = Field(None, ge=0)
 
 
 class ProviderPreferences(Strict):
@@ -28,7 +40,7 @@ class ProviderPreferences(Strict):
     data_collection: Literal["allow", "deny"] | None = None
     quantizations: list[str] | None = None
     sort: Literal["price", "throughput", "latency"] | None = None
-    max_price: dict[str, float] | None = None
+    max_price: MaxPrice | None = None
 
     def wire(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
@@ -94,6 +106,23 @@ def normalised_base_url(url: str) -> str:
     return f"{parts.scheme.lower()}://{host}{parts.path.rstrip('/')}{query}"
 
 
+# Header names (lower case) that carry a credential, or that contain one of these words (x-api-key, api-key,
+# x-auth-token, x-goog-api-key, ...): refused in `headers:` (see OpenRouterSourceConfig._no_secret_headers).
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+CREDENTIAL_WORDS = ("auth", "key", "token", "secret", "password", "credential")
+
+
+def is_credential_header(name: str) -> bool:
+    """Whether a header of this name would carry a credential."""
+    low = name.strip().lower()
+    return low in CREDENTIAL_HEADERS or any(w in low for w in CREDENTIAL_WORDS)
+
+
+def _price_guard_switch(value: Any) -> Any:
+    """An unquoted ``on``/``off`` (YAML 1.1 booleans) means the setting of that name."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 def _cap(value: Any) -> Any:
     """A budget value: ``"unlimited"`` is the explicit opt-out (stored as None); an empty value is refused,
     so a key left blank in YAML never means "no cap"."""
@@ -129,7 +158,7 @@ class OpenRouterSourceConfig(SourceConfigBase):
     # openrouter.ai over https only; any other endpoint gets a key only when the config names its variable.
     api_key_env: str = "OPENROUTER_API_KEY"
     api_key_required: bool = True  # local servers may take no key
-    headers: dict[str, str] = Field(default_factory=dict)  # e.g. HTTP-Referer, X-Title
+    headers: dict[str, str] = Field(default_factory=dict)  # e.g. HTTP-Referer, X-Title; never a credential
     provider: ProviderPreferences | None = None
     exclude_providers: list[str] = Field(default_factory=list)  # always routed around
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -150,7 +179,7 @@ class OpenRouterSourceConfig(SourceConfigBase):
     prices: PricesConfig | None = None  # what reserving ahead in dollars assumes before a price is seen
     # With a dollar cap, send provider.max_price at the prices a reservation assumes, so no dearer provider
     # serves the request and the bill stays within the cap. auto: for openrouter.ai and loopback (its stand-in).
-    max_price_guard: Literal["auto", "on", "off"] = "auto"
+    max_price_guard: Annotated[Literal["auto", "on", "off"], BeforeValidator(_price_guard_switch)] = "auto"
     # Budgets follow identity() (model, endpoint, budget_scope), not the name: a new scope starts fresh accounts.
     budget_scope: str = ""
     # Concurrency: num_actors..max_actors actors, each with up to max_in_flight requests.
@@ -164,7 +193,7 @@ class OpenRouterSourceConfig(SourceConfigBase):
     tune_gc: bool = True
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(30.0, gt=0)
-    keepalive_s: float = 60.0
+    keepalive_s: float = Field(60.0, ge=0)
     # Retries: attempts per prompt, full-jitter exponential backoff, Retry-After honoured up to a cap.
     max_attempts: int = Field(6, gt=0)
     backoff_base_s: float = Field(1.0, ge=0)
@@ -181,8 +210,8 @@ class OpenRouterSourceConfig(SourceConfigBase):
     transient_runs: int = Field(3, gt=0)
     journal_flush_s: float = Field(1.0, gt=0)  # response journal: fsync at most this often
     # Billing cross-check: drift counts as a validation failure when above both thresholds.
-    billing_abs_threshold: int = 8
-    billing_rel_threshold: float = 0.05
+    billing_abs_threshold: int = Field(8, ge=0)
+    billing_rel_threshold: float = Field(0.05, ge=0)
     # Config errors: the same 4xx answer on this many distinct prompts in a row halts the source (nothing is
     # quarantined for it); a 4xx with no verdict within config_error_wait_s stays to do
     # (pipeline.generate.sources.http.engine).
@@ -198,6 +227,28 @@ class OpenRouterSourceConfig(SourceConfigBase):
     def _usable_url(cls, v: str) -> str:
         if problem := base_url_problem(v):
             raise ValueError(f"base_url {problem}")
+        return v
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _variable_name(cls, v: str) -> str:
+        # "" or a typo such as "$MY_KEY" names no variable: the actors would halt saying it is not set
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(f"{v!r} is not an environment variable name (letters, digits and '_', not starting "
+                             "with a digit): name the variable that holds the key, not the key")
+        return v
+
+    @field_validator("headers")
+    @classmethod
+    def _no_secret_headers(cls, v: dict[str, str]) -> dict[str, str]:
+        """Refuse a credential written into ``headers`` (Authorization, api-key, x-api-key, a cookie, ...),
+        wherever it would go, not only over plain http: the key itself never enters a config, which is a file
+        that gets committed, shared and pasted into issues. The key comes from the environment variable named
+        by ``api_key_env`` (sent as ``Authorization: Bearer``), which also keeps it to https or loopback; a
+        header-borne key would bypass both rules, and an Authorization header would clash with that one."""
+        if secret := sorted(k for k in v if is_credential_header(k)):
+            raise ValueError(f"{secret} would carry a credential, written into the config: put the key in an "
+                             "environment variable and name it with api_key_env (sent as Authorization: Bearer)")
         return v
 
     @model_validator(mode="before")
@@ -278,14 +329,26 @@ class OpenRouterSourceConfig(SourceConfigBase):
     def budget_account(self) -> str | None:
         return self.identity()
 
+    def key_problem(self) -> str | None:
+        """Why no key would go out although ``api_key_required`` says one is needed, or None. The default
+        variable goes only to openrouter.ai over https (``key_env``): another endpoint left without
+        ``api_key_env`` would send no key and halt in its actors with a misleading "not set" error."""
+        if not self.api_key_required or self.key_env() is not None:
+            return None
+        return (f"source {self.name!r}: base_url (host {_url_host(self.base_url)}) is not openrouter.ai over "
+                f"https, and {self.api_key_env} (the default key) goes only there: set api_key_env: <VAR> for this "
+                "endpoint, or api_key_required: false")
+
     def run_problem(self, datasets: Sequence[DatasetConfig]) -> str | None:
+        if problem := self.key_problem():
+            return problem
         names = [d.name for d in datasets]
         for key, caps in (("budgets", self.budgets), ("budgets_usd", self.budgets_usd)):
             if unknown := sorted(set(caps) - set(names)):
                 return (f"source {self.name!r}: {key} name unknown datasets {unknown} (known: {names}); a misspelt "
                         "key would leave that dataset without a cap")
         for d in datasets:
-            if (d.sources is None or self.name in d.sources) and not self.has_cap_decision(d.name):
+            if may_serve(d.sources, self.name) and not self.has_cap_decision(d.name):
                 return (f"source {self.name!r} may spend on dataset {d.name!r} without a cap: set budgets: "
                         f"{{{d.name}: <completion tokens>}} or budgets_usd: {{{d.name}: <dollars>}} (or a "
                         f"default_budget / default_budget_usd) on the source, or opt out with budgets: "
@@ -296,5 +359,6 @@ class OpenRouterSourceConfig(SourceConfigBase):
 KINDS = (
     SourceKind("openrouter", OpenRouterSourceConfig, "pipeline.generate.sources.http.openrouter:OpenRouterFlight",
                exact_ids=False, spends=True, layout="async_http",
-               manifest=("model", "provider", "reasoning_style", "reasoning", "send_tools", "sampling")),
+               manifest=("model", "provider", "reasoning_style", "reasoning", "send_tools", "sampling",
+                         "extra_body")),
 )

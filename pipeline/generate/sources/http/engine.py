@@ -46,7 +46,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -78,6 +78,13 @@ log = logging.getLogger(__name__)
 
 OK, QUARANTINED, NOT_GENERATED = "ok", "quarantined", "not_generated"
 CONFIG_ERROR = "config error"  # how a config halt's reason starts (its rows' failure class is "config")
+
+
+def chat_completions_url(base_url: str) -> str:
+    """``{base_url}/chat/completions``, appended to the path: a query (a gateway's ``?api-version=...``) stays a
+    query, after it, and a fragment (never sent) is dropped."""
+    parts = urlsplit(base_url)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/chat/completions", fragment=""))
 
 
 def key_may_go_to(url: str) -> bool:
@@ -188,7 +195,7 @@ class HttpEngine:
         self._key = api_key
         self.opts = request_options(cfg, sampling or SamplingConfig())
         self.source_name = source_name or cfg.name
-        self.url = cfg.base_url.rstrip("/") + "/chat/completions"
+        self.url = chat_completions_url(cfg.base_url)
         self.identity = cfg.identity()
         if api_key.get() and not key_may_go_to(self.url):
             raise ValueError(f"source {self.source_name!r}: refusing to send an API key to {cfg.base_url} "
