@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import uuid
 from collections.abc import Iterator
@@ -204,10 +205,32 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+NON_FINITE = "non_finite"  # the key beside a JSON object's nulls that were NaN or infinite, and what each was
+
+
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float as None: JSON has no such numbers (``json.dumps`` writes a bare
+    ``NaN`` that strict readers, jq and browsers refuse). An object that had one says which and what in its
+    ``non_finite`` entry ({key: "nan" | "inf" | "-inf"}), so a reader tells a diverged loss from a missing one."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        out = {k: finite_json(v) for k, v in obj.items()}
+        bad = {str(k): str(v).lower() for k, v in obj.items() if isinstance(v, float) and not math.isfinite(v)}
+        if bad and NON_FINITE not in out:
+            out[NON_FINITE] = bad
+        return out
+    if isinstance(obj, list | tuple):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 2, sort_keys: bool = False,
                       ensure_ascii: bool = True) -> None:
-    atomic_write(path, json.dumps(obj, indent=indent, default=str, sort_keys=sort_keys,
-                                  ensure_ascii=ensure_ascii) + "\n")
+    """``obj`` as strict JSON (``finite_json``: no NaN or Infinity, which ``json.loads`` of other languages
+    refuses), written whole."""
+    atomic_write(path, json.dumps(finite_json(obj), indent=indent, default=str, sort_keys=sort_keys,
+                                  ensure_ascii=ensure_ascii, allow_nan=False) + "\n")
 
 
 def atomic_write_table(table: pa.Table, path: str | Path) -> None:

@@ -524,14 +524,17 @@ def _cards(report: dict[str, Any]) -> str:
     t = report.get("throughput") or {}
     h = (report.get("training") or {}).get("heldout") or {}
     m = (report.get("training") or {}).get("metrics") or {}
-    spend = sum(d.get("cost") or 0.0 for s in (report.get("spend") or {}).values()
-                for d in (s.get("datasets") or {}).values())
+    from pipeline.report.summary import ledger_datasets, ledger_usd
+
+    ledgers = report.get("spend") or {}
+    spend = sum(ledger_usd(d) for s in ledgers.values() for d in ledger_datasets(s).values())
     cards = [
-        ("rows in", report.get("rows_in")), ("passed", report.get("passed")),
+        ("rows in", report.get("rows_in")), ("passed generation", report.get("passed")),
+        ("quarantined at extraction (not trained on)", report.get("quarantined_at_extraction")),
         ("quarantined", report.get("quarantined")), ("not generated", report.get("not_generated")),
-        ("tokens generated", report.get("tokens_generated")),
-        ("API spend", f"${spend:.2f}" if spend >= 1 else f"${spend:.4f}"),
-        ("samples/s", t.get("samples_per_s")), ("tokens/s", t.get("tokens_per_s")),
+        ("tokens generated (in passed samples)", report.get("tokens_generated")),
+        *([("API spend (ledger total, all attempts)", f"${spend:.4f}")] if ledgers else []),
+        ("generated rows/s (this attempt)", t.get("samples_per_s")), ("tokens/s", t.get("tokens_per_s")),
         ("drafter steps", m.get("step")),
         ("held-out acceptance length", h.get("acceptance_length")),
         ("served acceptance length", ((report.get("training") or {}).get("served") or {}).get("acceptance_length")),
@@ -567,13 +570,27 @@ def _sources_table(report: dict[str, Any]) -> str:
                   rows) if rows else ""
 
 
+def _dollars(v: Any) -> str | None:
+    """Dollars to the hundredth of a cent (a spend of $5.004 beside a $5.00 cap must not read $5.00)."""
+    return f"{v:.4f}" if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
 def _spend_table(report: dict[str, Any]) -> str:
+    """Each API source's ledger per dataset: caps and spend in tokens and dollars over every attempt, dollars in
+    doubt and billed beyond reservations, this attempt's requests; a breached cap is marked."""
+    from pipeline.report.summary import ledger_datasets, ledger_usd
+
     rows = []
     for name, s in (report.get("spend") or {}).items():
-        for d, x in (s.get("datasets") or {}).items():
-            rows.append([name, d, x.get("budget"), x.get("spent"), x.get("reserved"), x.get("cost"),
-                         x.get("requests"), s.get("halted")])
-    return _table(["source", "dataset", "budget", "spent tokens", "reserved", "cost $", "requests", "halted"],
+        for d, x in ledger_datasets(s).items():
+            cap, usd = x.get("budget_usd"), ledger_usd(x)
+            over = isinstance(cap, int | float) and usd > cap + 1e-9
+            rows.append([name, d, x.get("budget"), x.get("spent"), _dollars(cap), _dollars(usd),
+                         _dollars(x.get("in_doubt_usd")), _dollars(x.get("overrun_usd")), x.get("sent"),
+                         "OVER THE CAP" if over else None, s.get("halted")])
+    return _table(["source", "dataset", "budget tokens", "spent tokens (all attempts)", "budget $",
+                   "spent $ (ledger total, all attempts)", "in doubt $", "billed beyond reservations $",
+                   "requests (this attempt)", "cap", "halted"],
                   rows) if rows else "<p class=muted>No spending sources.</p>"
 
 
@@ -582,8 +599,10 @@ def _cost_table(report: dict[str, Any]) -> str:
     rows = [[field, name, c.get("samples"), c.get("output_tokens"), c.get("billed_usd"), c.get("device_hours"),
              c.get("engine_usd"), c.get("usd"), c.get("usd_per_mtok")]
             for field in ("dataset", "source") for name, c in cost_groups(report.get("costs"), field).items()]
-    return _table(["by", "name", "samples", "output tokens", "API billed $", "device-hours", "engine $", "total $",
-                   "$ per M output tokens"], rows) if rows else ""
+    return ("<p class=muted>Dollars in passed samples, all attempts (a quarantined row's bill is in the ledger "
+            "above, not here).</p>" + _table(["by", "name", "samples", "output tokens", "API billed $",
+                                              "device-hours", "engine $", "total $", "$ per M output tokens"], rows)
+            ) if rows else ""
 
 
 def _checks_table(report: dict[str, Any]) -> str:
@@ -593,9 +612,10 @@ def _checks_table(report: dict[str, Any]) -> str:
 
 
 def _datasets_table(report: dict[str, Any]) -> str:
-    rows = [[d, x.get("rows"), x.get("passed"), x.get("quarantined")]
+    rows = [[d, x.get("rows"), x.get("passed"), x.get("quarantined_at_extraction"), x.get("quarantined")]
             for d, x in (report.get("by_dataset") or {}).items()]
-    return _table(["dataset", "rows", "passed", "quarantined"], rows) if rows else ""
+    return _table(["dataset", "rows", "passed generation", "quarantined at extraction (not trained on)",
+                   "quarantined"], rows) if rows else ""
 
 
 def _training_table(report: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ class Tally:
         self.asked: Counter = Counter()  # source -> rows it sent at least one request for
         self.series: list[dict[str, Any]] = []  # throughput snapshots over time (pipeline.report.throughput)
         self.duplicates = 0  # rows the writer found already written (a re-executed batch): not counted again
+        self.unrouted: Counter = Counter()  # reason -> prompts no source may serve (fix the routing, re-run)
 
     @property
     def done(self) -> int:
@@ -90,6 +92,8 @@ class Tally:
             self.left[(row.get("source") or "", row.get("failure_class") or "transient")] += 1
             if row.get("failure_class") == "engine":
                 self.engine_errors.setdefault(row.get("source") or "", row.get("reason") or "")
+            if row.get("failure_class") == "config" and not row.get("source"):  # chain.assign_sources: no source
+                self.unrouted[row.get("reason") or ""] += 1
         self.tokens += generated or 0
         self.cost += row.get("cost") or 0.0
         if row.get("checks_ran"):
@@ -127,6 +131,8 @@ class Accounting:
     held: dict[str, dict[str, str]]  # dataset -> id quarantined and never passed -> its first stage
     quarantine: list[dict[str, Any]]  # the quarantine rows of those ids (an extract row of a passed sample too)
     aside: dict[str, int]  # {"samples": n, "quarantined": m}: ids on disk the files no longer give
+    # dataset -> its passed ids quarantined at extraction (counted in ``passed``, never trained on)
+    extracted_out: dict[str, int] = dataclass_field(default_factory=dict)
 
     @property
     def to_do(self) -> dict[str, int]:
@@ -144,13 +150,15 @@ def in_files(ids: pa.Array | pa.ChunkedArray, current: Mapping[str, pa.Array]) -
 def account(samples: pa.Table, quarantine: list[dict[str, Any]], current: Mapping[str, pa.Array]) -> Accounting:
     """``Accounting`` of ``samples`` (one row per id: ``read_sample_table``, with ``sample_id`` and ``dataset``)
     and the quarantine rows (``sample_id``, ``dataset``, ``stage``) against ``current``. An id both quarantined
-    and passed (quarantined at extraction) counts as passed."""
+    and passed (quarantined at extraction) counts as passed generation (conservation is over generation), and
+    in ``extracted_out`` too: it is never trained on."""
     ids = samples.column("sample_id")
     mine = in_files(ids, current)
     q_ids = pa.array([r["sample_id"] for r in quarantine], pa.string())
     q_passed = pc.is_in(q_ids, value_set=ids.combine_chunks()).to_pylist()
     q_mine = in_files(q_ids, current).to_pylist()
     held: dict[str, dict[str, str]] = {}
+    out: dict[str, set[str]] = {}
     kept, aside = [], set()
     for r, was_passed, is_mine in zip(quarantine, q_passed, q_mine, strict=True):
         if not is_mine:
@@ -160,10 +168,13 @@ def account(samples: pa.Table, quarantine: list[dict[str, Any]], current: Mappin
         kept.append(r)
         if not was_passed:
             held.setdefault(r["dataset"], {}).setdefault(r["sample_id"], r["stage"])
+        elif r["stage"] == "extract":
+            out.setdefault(r["dataset"], set()).add(r["sample_id"])
     n_mine = int(pc.sum(mine).as_py() or 0)
     return Accounting(rows={d: len(a) for d, a in current.items()},
                       passed=count_values(samples.filter(mine).column("dataset")), held=held, quarantine=kept,
-                      aside={"samples": samples.num_rows - n_mine, "quarantined": len(aside)})
+                      aside={"samples": samples.num_rows - n_mine, "quarantined": len(aside)},
+                      extracted_out={d: len(v) for d, v in sorted(out.items())})
 
 
 def aside_line(aside: Mapping[str, int]) -> str | None:
@@ -186,28 +197,58 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout, current: Mapping
                                                           "source", "cost", "engine_s"])
     acc = account(samples, read_rows(layout.quarantine, ["sample_id", "dataset", "stage", "reason"]), current)
     quarantine = acc.quarantine
-    # Extraction may quarantine a sample already written as passed: it stays counted as passed
-    # generation and shows up under quarantine_by_stage.extract. Flags, tokens and costs are of every sample
-    # written: what training reads and what was spent, set-aside samples included.
-    return {
+    # Extraction may quarantine a sample already written as passed: it stays counted in ``passed`` (passed
+    # generation: conservation is over generation) and is counted again in ``quarantined_at_extraction`` (never
+    # trained on; refreshed after the extraction by ``with_extraction_quarantine``). Flags, tokens and costs are
+    # of every sample written: what was spent, set-aside samples included.
+    return with_extraction_quarantine({
         "rows_in": sum(acc.rows.values()),
         "passed": sum(acc.passed.values()),
         "quarantined": sum(len(q) for q in acc.held.values()),
         "not_generated": tally.status["not_generated"],
+        "unrouted": dict(tally.unrouted),  # of those, prompts the routing gives no source: a config fix does them
         "not_in_current_files": acc.aside,
         "quarantine_by_stage": dict(Counter(r["stage"] for r in quarantine)),
         "quarantine_reasons": dict(Counter(_reason_key(r["reason"]) for r in quarantine).most_common(10)),
         "flagged": count_values(pc.list_flatten(samples.column("checks_flagged"))),
         "tokens_generated": int(pc.sum(pc.list_value_length(samples.column("output_ids"))).as_py() or 0),
         "duplicates_in_shards": dropped,  # extra copies in samples/, each counted (and trained on) once
-        "this_attempt": {"samples": tally.done, "resumed_done": counts["resumed_done"],
+        # rows this attempt wrote; its tokens and dollars are those in its rows, which include responses an
+        # earlier, killed attempt paid for and this one replayed from the response journal
+        "this_attempt": {"samples": tally.done, "generated": sum(tally.served.values()),
+                         "resumed_done": counts["resumed_done"],
                          "duplicates_skipped": tally.duplicates,
                          "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6)},
         "audit": tally.audit.report(),
         "costs": cost_table_of(samples, prices or {}),  # every sample written, resumed attempts included
         "by_dataset": {d: {"rows": n, "passed": acc.passed.get(d, 0), "quarantined": len(acc.held.get(d, {}))}
                        for d, n in sorted(acc.rows.items())},
-    }
+    }, acc.extracted_out)
+
+
+def with_extraction_quarantine(report: dict[str, Any], extracted_out: Mapping[str, int]) -> dict[str, Any]:
+    """``report`` with its count of samples that passed generation and were then quarantined at extraction
+    (``Accounting.extracted_out``), in all and per dataset: they are in ``passed`` but never trained on."""
+    by = {d: dict(x) | {"quarantined_at_extraction": int(extracted_out.get(d, 0))}
+          for d, x in (report.get("by_dataset") or {}).items()}
+    return report | {"quarantined_at_extraction": sum(int(v) for v in extracted_out.values()), "by_dataset": by}
+
+
+def extraction_quarantine(layout: RunLayout, current: Mapping[str, pa.Array]) -> dict[str, int]:
+    """Per dataset, its passed samples the extraction quarantined (read after the extraction ran: the summary
+    is made before it)."""
+    samples, _ = read_sample_table(layout.samples, ["sample_id", "dataset"])
+    return account(samples, read_rows(layout.quarantine, ["sample_id", "dataset", "stage"]), current).extracted_out
+
+
+def throughput(tally: Tally, gen_s: float) -> dict[str, Any]:
+    """This attempt's rates over its generation time: rows generated (not the ``not_generated`` ones, which a
+    spent budget or a halted source ends at once, thousands a second) and their tokens, with the snapshots
+    report.html draws. Rows replayed from an earlier attempt's response journal are in both (the rows do not
+    say which)."""
+    return {"samples_per_s": round(sum(tally.served.values()) / gen_s, 2) if gen_s else None,
+            "tokens_per_s": round(tally.tokens / gen_s, 1) if gen_s else None,
+            "series": tally.series}
 
 
 def source_report(sources: list[Any], tally: Tally) -> dict[str, dict[str, Any]]:
@@ -267,15 +308,19 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         "=" * 64,
         f"Run report ({out})",
         f"  rows in      {r['rows_in']}",
-        f"  passed       {r['passed']}",
+        f"  passed generation {r['passed']}",
+        f"  quarantined at extraction (not trained on) {r.get('quarantined_at_extraction', 0)} of those passed",
         f"  quarantined  {r['quarantined']}  by stage {r['quarantine_by_stage']}",
         f"  not generated {r['not_generated']} (left to do: budget spent, source halted or API down; "
         "a re-run does them)",
         *([f"  {aside}"] if (aside := aside_line(r.get("not_in_current_files") or {})) else []),
         f"  flagged      {r['flagged']}",
-        f"  tokens generated {r['tokens_generated']}, spend ${r['this_attempt']['cost_usd']:.4f}",
+        f"  tokens generated {r['tokens_generated']} (in passed samples, all attempts)",
+        this_attempt_line(r.get("this_attempt") or {}),
+        *ledger_total_lines(r.get("spend") or {}),
         *cost_lines(r.get("costs")),
-        f"  throughput   { {k: v for k, v in r['throughput'].items() if k != 'series'} }",
+        f"  throughput   { {k: v for k, v in r['throughput'].items() if k != 'series'} } (generated rows of this "
+        "attempt over its generation time)",
         f"  seconds      {r['seconds']}",
     ]
     if r["audit"]["samples"]:
@@ -288,7 +333,7 @@ def format_report(r: dict[str, Any], out: Path) -> str:
             lines.append(f"  source {name} failed to start (its prompts handed on or left to do): "
                          f"{src['start_error'][:200]}")
     for name, spend in (r.get("spend") or {}).items():
-        lines.append(f"  spend {name}: {json.dumps(spend.get('datasets', spend), default=str)[:300]}")
+        lines += spend_lines(name, spend)
         held = spend.get("held_by_killed_requests") or {}
         if held:
             lines.append(f"  spend {name}: {sum(held.values())} tokens of budget held by requests in flight when an "
@@ -300,10 +345,11 @@ def format_report(r: dict[str, Any], out: Path) -> str:
                      f"tok/s/actor, {x['bytes_per_token']} bytes/token, peak RSS {x['peak_rss_mb']:.0f} MB")
     m = t.get("metrics") or {}
     if m:
-        accs = " ".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("acc_"))
-        lines.append(f"  training     step {m.get('step')} loss {m.get('loss', float('nan')):.3f} "
-                     f"acc/position [{accs}] {m.get('tokens_per_s', 0):.0f} tok/s"
-                     f"{', bf16 autocast' if m.get('bf16') else ''}")
+        accs = " ".join(_fixed(m[k], 2) for k in sorted(m) if k.startswith("acc_"))
+        lines.append(f"  training     step {m.get('step')} loss {_fixed(m.get('loss'), 3)} "
+                     f"acc/position [{accs}] {_fixed(m.get('tokens_per_s'), 0)} tok/s"
+                     f"{', bf16 autocast' if m.get('bf16') else ''}"
+                     + (f" (not finite, written as null: {m['non_finite']})" if m.get("non_finite") else ""))
     if t.get("export_dir"):
         lines.append(f"  drafter      {t['export_dir']}")
     h = t.get("heldout") or {}
@@ -329,9 +375,93 @@ def format_report(r: dict[str, Any], out: Path) -> str:
     return "\n".join(lines)
 
 
-def attention_lines(r: dict[str, Any]) -> list[str]:
-    """What needs the user's action, one line each: a halted source, an API that was down, a spent budget."""
+def _fixed(v: Any, places: int) -> str:
+    """A number with ``places`` decimals; "n/a" for what is not one (a diverged loss is written as null)."""
+    return f"{v:.{places}f}" if isinstance(v, int | float) and not isinstance(v, bool) else "n/a"
+
+
+def _usd(v: Any) -> str:
+    """Dollars to the hundredth of a cent: beside a cap, $5.004 must not read as $5.00."""
+    return f"${v:.4f}" if isinstance(v, int | float) else "$?"
+
+
+def ledger_datasets(spend: Any) -> dict[str, dict[str, Any]]:
+    """The well-formed per-dataset entries of one source's ledger report (report.json may be old or edited)."""
+    d = spend.get("datasets") if isinstance(spend, dict) else None
+    return {str(k): v for k, v in d.items() if isinstance(v, dict)} if isinstance(d, dict) else {}
+
+
+def ledger_usd(x: Mapping[str, Any]) -> float:
+    """The dollars a ledger counted on one dataset over all attempts: what its cap is held against (billed,
+    plus reservations kept as spent: unpriced settles and requests in doubt); ``cost`` in reports without it."""
+    v = x.get("spent_usd", x.get("cost"))
+    return float(v) if isinstance(v, int | float) else 0.0
+
+
+def this_attempt_line(t: Mapping[str, Any]) -> str:
+    """This attempt's rows: how many it generated, their tokens, and the dollars billed in them. A response an
+    earlier, killed attempt paid for and this one replayed from the journal is in these rows too (the rows do
+    not say which), so the dollars are an upper bound on what this attempt paid."""
+    generated = f"{t['generated']} rows generated, " if "generated" in t else ""
+    return (f"  this attempt {generated}{t.get('tokens', 0)} tokens, {_usd(t.get('cost_usd', 0.0))} billed in its "
+            "rows (responses replayed from an earlier attempt's journal included)")
+
+
+def ledger_total_lines(spend: Mapping[str, Any]) -> list[str]:
+    """The API spend the ledgers counted over every attempt, in one line (none without a spending source)."""
+    if not spend:
+        return []
+    total = sum(ledger_usd(x) for s in spend.values() for x in ledger_datasets(s).values())
+    return [f"  API spend    {_usd(total)} (ledger total, all attempts)"]
+
+
+def spend_lines(name: str, spend: Any) -> list[str]:
+    """One line per dataset of a source's ledger: dollars and tokens against their caps (all attempts), what
+    is in doubt or was billed beyond its reservation, and this attempt's requests."""
+    datasets = ledger_datasets(spend)
+    if not datasets:
+        return [f"  spend {name}: {json.dumps(spend, default=str)}"]
+    lines = []
+    for d, x in datasets.items():
+        cap = f" of a {_usd(x['budget_usd'])} cap" if x.get("budget_usd") is not None else " (no dollar cap)"
+        tok = f", {x.get('spent', 0)} tokens" + (f" of a {x['budget']} cap" if x.get("budget") is not None else "")
+        extra = "".join(f", {_usd(x[k])} {what}" for k, what in (
+            ("in_doubt_usd", "in doubt (requests of a lost actor, counted as spent)"),
+            ("overrun_usd", "billed beyond its reservations")) if x.get(k))
+        sent = f", {x['sent']} requests this attempt" if x.get("sent") else ""
+        lines.append(f"  spend {name} {d}: {_usd(ledger_usd(x))}{cap}{tok}{extra}{sent} (ledger total, all attempts)")
+    return lines
+
+
+def breach_lines(name: str, spend: Any) -> list[str]:
+    """A cap the ledger saw breached, per dataset, or its violations as it wrote them; and dollars in doubt."""
     out = []
+    for d, x in ledger_datasets(spend).items():
+        usd, cap = ledger_usd(x), x.get("budget_usd")
+        overrun = f" (${x['overrun_usd']:.4f} billed beyond what its requests reserved)" if x.get("overrun_usd") else ""
+        if isinstance(cap, int | float) and usd > cap + 1e-9:
+            out.append(f"  ! source {name}: dataset {d} spent {_usd(usd)} > cap {_usd(cap)}{overrun}")
+        elif overrun:
+            out.append(f"  ! source {name}: dataset {d} spent {_usd(usd)}{overrun}")
+        tokens, budget = x.get("spent"), x.get("budget")
+        if isinstance(budget, int) and isinstance(tokens, int) and tokens > budget:
+            out.append(f"  ! source {name}: dataset {d} spent {tokens} tokens > cap {budget} tokens")
+        if x.get("in_doubt_usd"):
+            out.append(f"  ! source {name}: dataset {d}: {_usd(x['in_doubt_usd'])} in doubt (requests of an actor "
+                       "that was lost; counted as spent, the provider may have billed them)")
+    if not out:  # a breach the final figures no longer show (or a report without them): the ledger's own words
+        seen = list(dict.fromkeys(str(v) for v in (spend.get("violations") if isinstance(spend, dict) else None)
+                                  or []))
+        out += [f"  ! source {name}: budget exceeded: {v}" for v in seen[:5]]
+    return out
+
+
+def attention_lines(r: dict[str, Any]) -> list[str]:
+    """What needs the user's action, one line each: a breached cap, a halted source, an API that was down, a
+    spent budget."""
+    out = [ln for name, spend in (r.get("spend") or {}).items() for ln in breach_lines(name, spend)]
+    out += [f"  ! {n} prompts left to do: {why} — fix the routing (or add a source) and re-run to resume"
+            for why, n in (r.get("unrouted") or {}).items()]
     for name, src in (r.get("sources") or {}).items():
         left = src.get("left_to_do") or {}
         halted = ((r.get("spend") or {}).get(name) or {}).get("halted")

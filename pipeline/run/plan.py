@@ -2,7 +2,10 @@
 
 It reads ``value/value.json`` (``python -m pipeline value``), refits each dataset's curve on the serving mix
 when one is given (default: the held-out mix the value run used), and hands the curves, each dataset's price
-per sample and the samples its files' rows left should give to pipeline.value.plan. It writes
+per sample (every dollar billed for the dataset, quarantined rows included, over its samples that reach
+training: ``value.dataset_bills``, read from the folder now) and the samples its files' rows left should give
+to pipeline.value.plan. A plan's dollars so pay for the failed rows too, and the caps below cover the rows
+``max_rows`` reads. It writes
 ``value/plan.json`` with a config fragment, by entry name: per dataset the ``max_rows`` that reads the planned
 prompts more, and on each API source that served the dataset a ``budgets_usd`` cap of what its ledger counted
 so far plus its share of the plan's dollars (and its token cap raised alike, where it has one).
@@ -14,6 +17,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import yaml
@@ -24,7 +28,7 @@ from pipeline.base.records import read_rows, read_samples
 from pipeline.prompts.datasets import count_rows
 from pipeline.report.html import refresh_report_html
 from pipeline.run.config import RunConfig
-from pipeline.run.value import VALUE_FORMAT, ValueRefused, sample_costs
+from pipeline.run.value import VALUE_FORMAT, ValueRefused, dataset_bills, sample_costs
 from pipeline.value.curves import Curve
 from pipeline.value.plan import Buyable, make_plan, plan_lines
 from pipeline.value.points import by_dataset, dataset_curves, dataset_points, mix_draws, mix_figure, normalise_mix
@@ -48,9 +52,10 @@ def read_value(layout: RunLayout) -> dict[str, Any]:
 
 
 def room(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, int]]:
-    """Per dataset: rows its file holds (``max_rows`` ignored), rows read so far (passed, or quarantined and
-    never passed), how many passed, and the passed samples the rows left should give at that pass rate. Only
-    ids the file gives now count (``read.current_ids``): a repaired row's old quarantine row is not a row read."""
+    """Per dataset: rows its file holds (``max_rows`` ignored), rows read so far (passed, or quarantined), how
+    many passed (generation, and not quarantined at extraction: those never train, so a plan that counted them
+    would read too few rows), and the passed samples the rows left should give at that pass rate. Only ids the
+    file gives now count (``read.current_ids``): a repaired row's old quarantine row is not a row read."""
     from pipeline.prompts.read import current_ids
 
     every = {d.name: d.model_copy(update={"max_rows": None}) for d in cfg.datasets}
@@ -60,9 +65,13 @@ def room(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, int]]:
         if r["sample_id"] in current.get(r["dataset"], ()):
             passed.setdefault(r["dataset"], set()).add(r["sample_id"])
     failed: dict[str, set[str]] = {}
-    for r in read_rows(layout.quarantine, ["sample_id", "dataset"]):
-        if r["sample_id"] in current.get(r["dataset"], ()) and r["sample_id"] not in passed.get(r["dataset"], set()):
-            failed.setdefault(r["dataset"], set()).add(r["sample_id"])  # (quarantined at extraction: it passed)
+    for r in read_rows(layout.quarantine, ["sample_id", "dataset", "stage"]):
+        if r["sample_id"] not in current.get(r["dataset"], ()):
+            continue
+        if r["sample_id"] not in passed.get(r["dataset"], set()) or r["stage"] == "extract":
+            failed.setdefault(r["dataset"], set()).add(r["sample_id"])
+    for name, ids in failed.items():  # quarantined at extraction: read, not passed
+        passed.get(name, set()).difference_update(ids)
     out = {}
     for d in cfg.datasets:
         rows = count_rows(d.model_copy(update={"max_rows": None}))
@@ -167,9 +176,13 @@ def request_asks(cfg: RunConfig, layout: RunLayout) -> dict[tuple[str, str], flo
 
 
 def buyables(value: Mapping[str, Any], mix: Mapping[str, float] | None,
-             rooms: Mapping[str, Mapping[str, int]]) -> tuple[list[Buyable], dict[str, float], float, dict[str, str]]:
+             rooms: Mapping[str, Mapping[str, int]], bills: Mapping[str, Mapping[str, Any]] | None = None
+             ) -> tuple[list[Buyable], dict[str, float], float, dict[str, str]]:
     """(what can be bought, the mix, the full drafter's acceptance on it, datasets without a curve and why)
-    from value.json; ``ValueRefused`` for a report of another shape or nothing to plan on."""
+    from value.json; ``ValueRefused`` for a report of another shape or nothing to plan on. A sample's price is
+    ``bills``' (``value.dataset_bills`` of the folder now: every dollar billed for the dataset, quarantined rows
+    included, over its samples that reach training) where it has one, else value.json's; the curves are held
+    under value.json's ``ceiling`` (k + 1)."""
     again = "run `python -m pipeline value` on this config again"
     try:
         measured = [r for r in value["arms"] if isinstance(r, dict) and isinstance(r.get("heldout"), dict)
@@ -185,19 +198,27 @@ def buyables(value: Mapping[str, Any], mix: Mapping[str, float] | None,
         if not full:
             raise ValueRefused(f"the full drafter has no held-out figure on this mix: {again}")
         now = sum(f[0] for f in full) / len(full)
+        ceiling = value.get("ceiling")
+        ceiling = float(ceiling) if isinstance(ceiling, int | float) and math.isfinite(ceiling) else None
         buys, no_curve = [], {}
         for name, d in sorted(value["datasets"].items()):
             points = dataset_points(measured, name, chosen) if mix else list(d["points"])
-            curve = dataset_curves(points)["usd"] if mix else d["curves"]["usd"]
+            curve = dataset_curves(points, ceiling)["usd"] if mix else d["curves"]["usd"]
             if not isinstance(curve, dict):
                 no_curve[name] = str(curve)
                 continue
-            price, spent = float(d["usd_per_sample"]), float(d["spent_usd"])
+            billed = ((bills or {}).get(name) or {}).get("usd_per_sample")
+            price = float(billed) if isinstance(billed, int | float) and billed > 0 else float(d["usd_per_sample"])
+            spent = float(d["spent_usd"])
+            per_trained = float(d.get("usd_per_training_sample", d["usd_per_sample"]))
             c = Curve.from_dict(curve)
-            if not all(math.isfinite(v) for v in (price, spent, c.a0, c.gain, c.half)):
+            if c.ceiling is None and ceiling is not None:
+                c = replace(c, ceiling=ceiling)
+            if not all(math.isfinite(v) for v in (price, spent, per_trained, c.a0, c.gain, c.half)):
                 raise ValueError(f"dataset {name}: a number that is not finite")
             r = rooms.get(name)
-            buys.append(Buyable(name, price, spent, None if r is None else r["samples_left"], c, mix_draws(points)))
+            buys.append(Buyable(name, price, spent, None if r is None else r["samples_left"], c,
+                                mix_draws(points, ceiling=ceiling), per_trained))
     except ValueRefused:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -240,7 +261,7 @@ def run_plan(cfg: RunConfig, budget_usd: float, mix: Mapping[str, float] | None 
     layout = RunLayout(cfg.output_dir)
     value = read_value(layout)
     rooms = room(cfg, layout)
-    buys, chosen, now, no_curve = buyables(value, mix, rooms)
+    buys, chosen, now, no_curve = buyables(value, mix, rooms, dataset_bills(cfg, layout))
     try:
         train_share = 1.0 - float(value["heldout_fraction"])
     except (KeyError, TypeError, ValueError):

@@ -40,12 +40,14 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
 
 
 def dataset_status(cfg: RunConfig, acc: Accounting) -> dict:
-    """Per configured dataset: rows its file gives now, of those passed, quarantined (by stage; an id that also
-    passed counts as passed) and to do (a re-run does exactly those), by id (``summary.account``)."""
+    """Per configured dataset: rows its file gives now, of those passed generation, of those quarantined at
+    extraction (never trained on), quarantined (by stage; an id that also passed counts as passed) and to do (a
+    re-run does exactly those), by id (``summary.account``)."""
     out = {}
     for d in cfg.datasets:
         q = acc.held.get(d.name, {})
-        out[d.name] = {"rows": acc.rows[d.name], "passed": acc.passed.get(d.name, 0), "quarantined": len(q),
+        out[d.name] = {"rows": acc.rows[d.name], "passed": acc.passed.get(d.name, 0),
+                       "quarantined_at_extraction": acc.extracted_out.get(d.name, 0), "quarantined": len(q),
                        "quarantined_by_stage": dict(Counter(q.values())), "to_do": acc.to_do[d.name]}
     return out
 
@@ -148,6 +150,8 @@ def collect_status(cfg: RunConfig) -> dict[str, Any]:
     return {
         "output_dir": str(out),
         "totals": {k: sum(d[k] for d in datasets.values()) for k in ("rows", "passed", "quarantined", "to_do")},
+        # of ``passed`` (passed generation), those the extraction quarantined: never trained on (as in report.json)
+        "quarantined_at_extraction": sum(d["quarantined_at_extraction"] for d in datasets.values()),
         "datasets": datasets,
         "not_in_current_files": acc.aside,
         "samples_by_source": count_values(samples.column("source")),
@@ -179,11 +183,13 @@ def _caps(v: dict[str, Any]) -> str:
 
 def format_status(s: dict[str, Any]) -> str:
     t = s["totals"]
-    lines = [f"{s['output_dir']}: {t['passed']} passed, {t['quarantined']} quarantined, {t['to_do']} to do "
+    lines = [f"{s['output_dir']}: {t['passed']} passed generation ({s['quarantined_at_extraction']} of them "
+             f"quarantined at extraction, not trained on), {t['quarantined']} quarantined, {t['to_do']} to do "
              f"of {t['rows']} prompts" + ("" if t["to_do"] else " (generation complete)")]
     for name, d in s["datasets"].items():
         stages = f" {d['quarantined_by_stage']}" if d["quarantined_by_stage"] else ""
-        lines.append(f"  {name:<16} {d['passed']:>7} passed {d['quarantined']:>6} quarantined{stages} "
+        lines.append(f"  {name:<16} {d['passed']:>7} passed generation ({d['quarantined_at_extraction']} "
+                     f"quarantined at extraction) {d['quarantined']:>6} quarantined{stages} "
                      f"{d['to_do']:>7} to do / {d['rows']}")
     if aside := aside_line(s["not_in_current_files"]):
         lines.append(f"  {aside}")

@@ -11,7 +11,9 @@ to ``value/value.json``, which ``plan`` reads. Resumable: an arm with a result f
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ from typing import Any
 from pipeline.base.config import ConfigError
 from pipeline.base.console import Console, duration
 from pipeline.base.layout import RunLayout, atomic_write_json
-from pipeline.base.records import read_samples
+from pipeline.base.records import read_rows, read_samples
 from pipeline.base.run_lock import RunLock
 from pipeline.report.costs import COST_COLUMNS, engine_prices, sample_usd
 from pipeline.report.html import refresh_report_html
@@ -35,7 +37,7 @@ from pipeline.value.arms import (
     value_arms,
 )
 from pipeline.value.curves import Curve
-from pipeline.value.points import dataset_curves, dataset_points, heldout_mix, mix_figure
+from pipeline.value.points import acceptance_ceiling, dataset_curves, dataset_points, heldout_mix, mix_figure
 
 VALUE_FORMAT = 1
 log = logging.getLogger("pipeline")
@@ -76,6 +78,67 @@ def sample_costs(layout: RunLayout, cfg: RunConfig) -> list[dict[str, Any]]:
     return [{"sample_id": str(r["sample_id"]), "dataset": str(r["dataset"]), "source": str(r["source"]),
              "usd": sample_usd(r, prices), "tokens": len(r["output_ids"]) if r["output_ids"] is not None else 0}
             for r in rows]
+
+
+def dataset_prices(row_usd: Mapping[tuple[str, str], float], counted_usd: Mapping[tuple[str, str], float],
+                   usable: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+    """Per dataset, what a sample that reaches training costs: every dollar billed for the dataset over all
+    attempts, quarantined rows included (``row_usd``: (source, dataset) -> dollars in its sample and quarantine
+    rows; ``counted_usd``: the same as the source's ledger and response journals counted them, which also
+    hold bills whose row was never written), over its samples that passed generation and were not quarantined
+    at extraction (``usable``). Per (source, dataset) the larger count holds. A pass rate of 50% doubles the
+    price: the plan buys the rows that fail with the ones that pass."""
+    billed: dict[str, float] = {}
+    for key in set(row_usd) | set(counted_usd):
+        billed[key[1]] = billed.get(key[1], 0.0) + max(row_usd.get(key, 0.0), counted_usd.get(key, 0.0))
+    return {d: {"billed_usd": round(billed.get(d, 0.0), 9), "usable_samples": int(usable.get(d, 0)),
+                "usd_per_sample": billed.get(d, 0.0) / usable[d] if usable.get(d) else None}
+            for d in sorted(set(billed) | set(usable))}
+
+
+def dataset_bills(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, Any]]:
+    """``dataset_prices`` of the run's folder: the dollars in its sample rows and in its quarantine rows (the
+    sample as far as it got, billed before validation failed it), what each API source's ledger journal and
+    response journal counted, and per dataset its samples not quarantined at extraction."""
+    from pipeline.generate.ledger import read_journal_both
+    from pipeline.generate.sources.http.totals import cost_by_dataset
+    from pipeline.generate.sources.registry import spending_sources
+
+    prices = engine_prices(cfg.sources)
+    row_usd: dict[tuple[str, str], float] = {}
+    passed: dict[str, set[str]] = {}
+    for s in (sample_costs(layout, cfg) if layout.samples.is_dir() else []):
+        row_usd[s["source"], s["dataset"]] = row_usd.get((s["source"], s["dataset"]), 0.0) + s["usd"]
+        passed.setdefault(s["dataset"], set()).add(s["sample_id"])
+    cols = ["sample_id", "dataset", "stage", "source", "detail"]
+    seen: set[str] = set()
+    for r in (read_rows(layout.quarantine, cols) if layout.quarantine.is_dir() else []):
+        sid, name = str(r["sample_id"]), str(r["dataset"])
+        if sid in passed.get(name, set()):
+            if r["stage"] == "extract":
+                passed[name].discard(sid)  # its bill is in its sample row; it never trains
+            continue
+        if sid in seen:
+            continue
+        seen.add(sid)
+        try:
+            detail = json.loads(r["detail"] or "{}")
+        except ValueError:
+            detail = {}
+        detail = detail if isinstance(detail, dict) else {}
+        usd = sample_usd({"source": r["source"], "cost": detail.get("cost"), "engine_s": detail.get("engine_s")},
+                         prices)
+        if usd:
+            row_usd[str(r["source"] or ""), name] = row_usd.get((str(r["source"] or ""), name), 0.0) + usd
+    counted: dict[tuple[str, str], float] = {}
+    for src in spending_sources(cfg.sources):
+        _, ledger_usd = read_journal_both(str(layout.ledger(src.name)))
+        journal = cost_by_dataset(layout.responses, src.name) if layout.responses.is_dir() else {}
+        for name in set(ledger_usd) | set(journal):
+            v = max(float(ledger_usd.get(name, 0.0)), float(journal.get(name, 0.0)))
+            if math.isfinite(v):
+                counted[src.name, name] = v
+    return dataset_prices(row_usd, counted, {d: len(ids) for d, ids in passed.items()})
 
 
 def _value(cfg: RunConfig, layout: RunLayout, opts: ValueOptions, console: Console) -> dict[str, Any]:
@@ -126,7 +189,8 @@ def _value(cfg: RunConfig, layout: RunLayout, opts: ValueOptions, console: Conso
     arms = value_arms(names, opts.fractions, opts.seeds)
     meta = load_index(hidden).get("meta") or {}
     results = train_arms(cfg, layout, arms, train_cfg, str(hidden), datasets, training, held, meta, console)
-    out = value_report(results, training, steps, opts, tcfg.heldout_fraction)
+    out = value_report(results, training, steps, opts, tcfg.heldout_fraction, bills=dataset_bills(cfg, layout),
+                       ceiling=float(tcfg.eval_k + 1))
     out["seconds"] = round(time.perf_counter() - t0, 1)
     atomic_write_json(layout.value_report, out)
     refresh_report_html(layout)
@@ -198,29 +262,40 @@ def train_arms(cfg: RunConfig, layout: RunLayout, arms: Sequence[Arm], train_cfg
 
 
 def value_report(results: Sequence[Mapping[str, Any]], training: Sequence[Mapping[str, Any]], steps: int,
-                 opts: ValueOptions, heldout_fraction: float, mix: Mapping[str, float] | None = None
+                 opts: ValueOptions, heldout_fraction: float, mix: Mapping[str, float] | None = None,
+                 bills: Mapping[str, Mapping[str, Any]] | None = None, ceiling: float | None = None
                  ) -> dict[str, Any]:
     """value.json: the arms' results, and per dataset its points and fitted curves on ``mix`` (default: the
-    held-out mix) with what its samples cost."""
+    held-out mix), held under ``ceiling`` (k + 1; default: the arms' held-out k + 1), with what its samples
+    cost. ``usd_per_sample`` is the plan's price (``bills``: ``dataset_prices``, every dollar billed for the
+    dataset over its samples that reach training); ``usd_per_training_sample`` is the dollars the curve counts
+    per training sample (its own row's bill). Without ``bills`` both are the latter."""
     measured = [r for r in results if (r.get("heldout") or {}).get("acceptance_length") is not None]
     mix = dict(mix) if mix else heldout_mix(measured)
+    ceiling = ceiling if ceiling is not None else acceptance_ceiling(measured)
     per: dict[str, dict[str, Any]] = {}
     cut = {str(r["arm"]["dataset"]) for r in results if r["arm"]["dataset"] is not None}
     for name in sorted(cut):
         own = [s for s in training if s["dataset"] == name]
         usd = sum(float(s["usd"]) for s in own)
         points = dataset_points(measured, name, mix)
-        curves = dataset_curves(points)
+        curves = dataset_curves(points, ceiling)
         if not usd:  # every point at $0: the dollar curve is not a curve
             curves["usd"] = curves["own_usd"] = ("its samples have no price (an API's bill, or an engine source's "
                                                  "gpu_hour_usd)")
+        per_trained = usd / len(own) if own else 0.0
+        bill = (bills or {}).get(name) or {}
+        price = bill.get("usd_per_sample")
         per[name] = {"train_samples": len(own), "spent_usd": usd,
-                     "tokens": sum(int(s["tokens"]) for s in own), "usd_per_sample": usd / len(own) if own else 0.0,
+                     "tokens": sum(int(s["tokens"]) for s in own),
+                     "usd_per_sample": price if isinstance(price, int | float) and price > 0 else per_trained,
+                     "usd_per_training_sample": per_trained, "billed_usd": bill.get("billed_usd"),
+                     "usable_samples": bill.get("usable_samples"),
                      "points": points, "curves": curves, "fit_line": fit_line(curves["usd"], points)}
     full = [mix_figure(r["heldout"], mix) for r in measured if r["arm"]["dataset"] is None]
     full = [f for f in full if f is not None]
     return {"format": VALUE_FORMAT, "steps": steps, "datasets_cut": sorted(cut), "fractions": list(opts.fractions),
-            "seeds": list(opts.seeds),
+            "seeds": list(opts.seeds), "ceiling": ceiling,
             "heldout_fraction": heldout_fraction, "mix": mix,
             "full_acceptance": round(sum(f[0] for f in full) / len(full), 4) if full else None,
             "datasets": per, "arms": list(results),
@@ -248,8 +323,15 @@ def value_lines(report: Mapping[str, Any]) -> list[str]:
         curve = d["curves"]["usd"]
         if isinstance(curve, Mapping):
             c, s = Curve.from_dict(dict(curve)), d["spent_usd"]
-            fit = (f"; curve: {c.gain:+.3f} at most, half of it by ${c.half:.4g}; 10% more of its samples "
-                   f"{c(1.1 * s) - c(s):+.4f}")
+            more = f"10% more of its samples {c(1.1 * s) - c(s):+.4f}"
+            if c.measured:
+                fit = f"; curve: {c.gain:+.3f} at most, half of it by ${c.half:.4g}; {more}"
+            elif not c.saturated:
+                fit = (f"; curve: its points still rise in a straight line, so the most its samples can add and the "
+                       f"spend that buys half of it are unmeasured; {more}")
+            else:
+                fit = (f"; curve: held at the ceiling of {c.ceiling:g} (k + 1), so the most its samples can add and "
+                       f"the spend that buys half of it are unmeasured; {more}")
         else:
             fit = f"; no curve: {curve}"
         lines.append(f"[value]   {name}: {d['train_samples']} training samples, ${d['spent_usd']:.4g}{without}{fit}")

@@ -5,7 +5,9 @@ dataset's training samples, the other datasets whole. The plan treats the gains 
 measured with the others at their full spend, so cross-dataset transfer is in each curve's ``a0``, not in the
 sum) and, because every curve is concave, spends the budget greedily in small steps on whichever dataset's
 next step is predicted to gain most. New samples go to training at ``train_share`` (1 - the held-out
-fraction). A dataset stops taking money when its prompt files have no rows left, and the plan stops when no
+fraction). A sample's price is every dollar billed for its dataset over the samples that reached training
+(the rows quarantined on the way included), and only the part of it in samples that pass moves a curve
+(``advance``). A dataset stops taking money when its prompt files have no rows left, and the plan stops when no
 dataset's next dollar is predicted to gain anything. Its uncertainty is the spread of the same allocation's
 gain over the bootstrap curves; an even split is predicted beside it, with its own spread.
 """
@@ -31,11 +33,22 @@ class Buyable:
     """One dataset the next run can buy samples of."""
 
     dataset: str
-    usd_per_sample: float  # what one passed sample cost so far (0: its source has no price)
+    usd_per_sample: float  # every dollar billed per sample that reached training so far (0: no price)
     spent_usd: float  # dollars of its training samples in the full drafter: where its curve stands now
-    room: int | None  # prompts its files still hold (None: unknown, no limit)
+    room: int | None  # samples its files' rows left should give at the pass rate so far (None: no limit)
     curve: Curve
     draws: Sequence[Curve] = field(default_factory=tuple)
+    # the dollars the curve counts per such sample (its own row's bill; None: the price). Below the price by
+    # what the rows that failed cost: those dollars teach the drafter nothing
+    curve_usd_per_sample: float | None = None
+
+
+def advance(b: Buyable, train_share: float) -> float:
+    """Curve dollars one plan dollar on ``b`` adds: the share of samples that train, times the share of the
+    price that lands in samples (at most all of it)."""
+    if b.curve_usd_per_sample is None or b.usd_per_sample <= 0:
+        return train_share
+    return train_share * min(1.0, max(b.curve_usd_per_sample, 0.0) / b.usd_per_sample)
 
 
 def gain(curve: Curve, spent: float, add_usd: float, train_share: float) -> float:
@@ -54,7 +67,8 @@ def allocate(buys: Sequence[Buyable], budget: float, train_share: float, steps: 
             d = min(step, cap[b.dataset] - alloc[b.dataset])
             if d <= 0:
                 continue
-            g = gain(b.curve, b.spent_usd + alloc[b.dataset] * train_share, d, train_share) / d * step
+            share = advance(b, train_share)
+            g = gain(b.curve, b.spent_usd + alloc[b.dataset] * share, d, share) / d * step
             if g > best_gain:
                 best, best_gain = b, g
         if best is None:
@@ -66,8 +80,8 @@ def allocate(buys: Sequence[Buyable], budget: float, train_share: float, steps: 
     while True:
         fits = [b for b in buys if b.usd_per_sample <= left + 1e-12
                 and whole[b.dataset] + b.usd_per_sample <= cap[b.dataset] + 1e-12]
-        gains = [(gain(b.curve, b.spent_usd + whole[b.dataset] * train_share, b.usd_per_sample, train_share), b)
-                 for b in fits]
+        gains = [(gain(b.curve, b.spent_usd + whole[b.dataset] * advance(b, train_share), b.usd_per_sample,
+                       advance(b, train_share)), b) for b in fits]
         gains = [(g, b) for g, b in gains if g > 0]
         if not gains:
             return whole
@@ -88,9 +102,10 @@ def even_split(buys: Sequence[Buyable], budget: float) -> dict[str, float]:
 
 def predicted(buys: Sequence[Buyable], alloc: Mapping[str, float], train_share: float) -> dict[str, Any]:
     """The allocation's predicted gain: from the fitted curves, and its mean and sd over the bootstrap ones."""
-    point = sum(gain(b.curve, b.spent_usd, alloc[b.dataset], train_share) for b in buys)
+    point = sum(gain(b.curve, b.spent_usd, alloc[b.dataset], advance(b, train_share)) for b in buys)
     n = min((len(b.draws) for b in buys), default=0)
-    draws = [sum(gain(b.draws[i], b.spent_usd, alloc[b.dataset], train_share) for b in buys) for i in range(n)]
+    draws = [sum(gain(b.draws[i], b.spent_usd, alloc[b.dataset], advance(b, train_share)) for b in buys)
+             for i in range(n)]
     mean, sd = mean_sd(draws) if draws else (point, float("nan"))
     return {"gain": round(point, 4), "bootstrap_mean": round(mean, 4), "sd": None if math.isnan(sd) else round(sd, 4),
             "draws": n}
@@ -115,14 +130,16 @@ def make_plan(buys: Sequence[Buyable], budget_usd: float, train_share: float, no
     rows = []
     for b in priced:
         x = alloc[b.dataset]
-        new_train = b.spent_usd + x * train_share
+        new_train = b.spent_usd + x * advance(b, train_share)
         rows.append({"dataset": b.dataset, "add_usd": round(x, 12), "add_samples": round(x / b.usd_per_sample),
-                     "usd_per_sample": b.usd_per_sample, "spent_usd": round(b.spent_usd, 12),
+                     "usd_per_sample": b.usd_per_sample, "curve_usd_per_sample": b.curve_usd_per_sample,
+                     "spent_usd": round(b.spent_usd, 12),
                      "slope_now": b.curve.slope(b.spent_usd),
-                     "gain": round(gain(b.curve, b.spent_usd, x, train_share), 4),
+                     "gain": round(gain(b.curve, b.spent_usd, x, advance(b, train_share)), 4),
                      "room": b.room, "full": b.room is not None and round(x / b.usd_per_sample) >= b.room,
                      # beyond twice the spend the curve was measured on, or on a curve whose points never bent
-                     "extrapolated": x > 0 and (new_train > 2 * max(b.spent_usd, 1e-12) or not b.curve.saturated)})
+                     # (or that the k + 1 ceiling held)
+                     "extrapolated": x > 0 and (new_train > 2 * max(b.spent_usd, 1e-12) or not b.curve.measured)})
     # the part of the gain that rests on curves carried past what they were measured on: in the value bench
     # (bench/RESULTS.md) the plans whose gain was mostly this lost to an even split or won by far less than the
     # spread they were predicted with
@@ -153,7 +170,8 @@ def plan_lines(plan: Mapping[str, Any]) -> list[str]:
     share = plan.get("extrapolated_gain", 0.0) / p["gain"] if p["gain"] > 0 else 0.0
     if share >= 0.5:
         lines.append(f"[plan]   {share:.0%} of the predicted gain is extrapolated (a curve carried past twice the "
-                     "spend it was measured at, or one whose points never bent): a guess, not a measurement")
+                     "spend it was measured at, or one whose points never bent or that the k + 1 ceiling held): a "
+                     "guess, not a measurement")
     if plan["unspent_usd"] > 0 and plan["datasets"] and plan["unspent_usd"] >= min(
             r["usd_per_sample"] for r in plan["datasets"]):
         lines.append(f"[plan]   ${plan['unspent_usd']:.4g} left unspent: no dataset's next sample is predicted to "

@@ -85,19 +85,30 @@ def dataset_points(results: Sequence[Mapping[str, Any]], dataset: str,
     return sorted(points, key=lambda p: (p["fraction"], p["seed"]))
 
 
-def dataset_curves(points: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def dataset_curves(points: Sequence[Mapping[str, Any]], ceiling: float | None = None) -> dict[str, Any]:
     """The fitted curves of one dataset's points: mix acceptance against dollars and against tokens, and its
-    own held-out acceptance against dollars. A curve that cannot be fitted is its reason."""
+    own held-out acceptance against dollars, each held under ``ceiling`` (k + 1) where known. A curve that
+    cannot be fitted is its reason."""
     def fit(axis: str, y: str, se: str) -> dict[str, Any] | str:
         pts = [p for p in points if p.get(y) is not None]
-        res = fit_curve([p[axis] for p in pts], [p[y] for p in pts], [p.get(se) for p in pts])
+        res = fit_curve([p[axis] for p in pts], [p[y] for p in pts], [p.get(se) for p in pts], ceiling)
         return res.to_dict() if isinstance(res, Curve) else res
 
     return {"usd": fit("usd", "acceptance", "se"), "tokens": fit("tokens", "acceptance", "se"),
             "own_usd": fit("usd", "own", "own_se")}
 
 
-def mix_draws(points: Sequence[Mapping[str, Any]], n: int = 200, seed: int = 0) -> list[Curve]:
+def mix_draws(points: Sequence[Mapping[str, Any]], n: int = 200, seed: int = 0,
+              ceiling: float | None = None) -> list[Curve]:
     """Bootstrap curves of the mix acceptance against dollars (see ``curves.curve_draws``)."""
     return curve_draws([p["usd"] for p in points], [p["acceptance"] for p in points],
-                       [p.get("se") for p in points], n=n, seed=seed)
+                       [p.get("se") for p in points], n=n, seed=seed, ceiling=ceiling)
+
+
+def acceptance_ceiling(results: Sequence[Mapping[str, Any]]) -> float | None:
+    """k + 1, the most tokens a target step can accept with k drafted, of the arms' held-out figures (their
+    largest k), or None where none says its k."""
+    ks = [h["k"] for r in results for h in (r.get("heldout"),)
+          if isinstance(h, Mapping) and isinstance(h.get("k"), int) and not isinstance(h.get("k"), bool)
+          and h["k"] > 0]
+    return float(max(ks) + 1) if ks else None

@@ -78,8 +78,8 @@ def test_a_repaired_row_is_to_do_and_the_resume_finishes(cfg, tmp_path):
     assert len(made) == 1 and made[0] != bad_id
     assert _figures(report) == {"rows_in": 2, "passed": 2, "quarantined": 0, "not_generated": 0,
                                 "not_in_current_files": {"samples": 0, "quarantined": 1}}
-    assert report["quarantine_by_stage"] == {} and report["by_dataset"]["chat"] == {"rows": 2, "passed": 2,
-                                                                                   "quarantined": 0}
+    assert report["quarantine_by_stage"] == {} and report["by_dataset"]["chat"] == {
+        "rows": 2, "passed": 2, "quarantined": 0, "quarantined_at_extraction": 0}
     assert "not in the current files: 0 samples, 1 quarantined" in format_report(report | {
         "throughput": {}, "seconds": {}}, Path(cfg.output_dir))
     assert bad_id in read_ids(RunLayout(cfg.output_dir).quarantine)  # set aside, never deleted
@@ -131,4 +131,5 @@ def test_account_counts_an_id_quarantined_at_extraction_as_passed():
     acc = account(samples, quarantine, {"d": pa.array(["d:0:x", "d:1:y", "d:2:w", "d:3:v"])})
     assert acc.rows == {"d": 4} and acc.passed == {"d": 2} and acc.held == {"d": {"d:2:w": "read"}}
     assert acc.to_do == {"d": 1} and acc.aside == {"samples": 1, "quarantined": 1}
+    assert acc.extracted_out == {"d": 1}  # passed generation, never trained on (the set-aside one not counted)
     assert [r["sample_id"] for r in acc.quarantine] == ["d:0:x", "d:2:w"]
