@@ -87,9 +87,11 @@ def export_draft(
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write model.safetensors, then config.json (each whole; a folder with config.json is a
-    complete export, which ``pipeline status`` relies on); returns the folder."""
+    complete export, which ``pipeline status`` relies on); returns the folder. A previous export's config.json
+    goes first: a kill while the new weights are written leaves no config beside them, never the old one."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").unlink(missing_ok=True)
     with atomic_path(out / "model.safetensors") as tmp:
         save_file(export_tensors(drafter, dtype), str(tmp), metadata={"format": "pt"})
     atomic_write_json(out / "config.json", export_config(drafter, target_config, dtype))

@@ -92,6 +92,16 @@ def walk_acceptance(proposals: np.ndarray, target_next: np.ndarray, start: int) 
     return drafts, accepted
 
 
+def response_start(mask: np.ndarray) -> int:
+    """Index of the response's first token: where the last run of loss-masked tokens begins. The mask also
+    covers the earlier assistant turns of a multi-turn prompt (``pipeline.hidden.extract.loss_mask``), so its
+    first masked token can lie inside the prompt; the response is the last run, which ends the row."""
+    mask = np.asarray(mask, bool)
+    last = len(mask) - 1 - int(np.argmax(mask[::-1]))
+    unmasked = np.flatnonzero(~mask[:last])
+    return int(unmasked[-1]) + 1 if unmasked.size else 0
+
+
 def row_counts(drafter: Eagle3Drafter, rows: Sequence[dict], lm_head: torch.Tensor, k: int = 3) -> list[RowCounts]:
     """Per row, in order: its drafts and accepted drafts per position under simulated greedy verification
     (a row without loss-masked tokens drafts nothing). One pass serves every breakdown of the rows
@@ -107,7 +117,7 @@ def row_counts(drafter: Eagle3Drafter, rows: Sequence[dict], lm_head: torch.Tens
         if not mask.any():
             out.append(RowCounts(0, [0] * k))
             continue
-        start = int(np.argmax(mask)) - 1  # hidden of the last prompt token
+        start = response_start(mask) - 1  # hidden of the last prompt token
         if start < 0:
             raise ValueError("row must have at least one prompt token before its response")
         proposals = propose_all(drafter, ids, aux, k).numpy()

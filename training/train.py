@@ -17,14 +17,16 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pipeline.base.layout import atomic_path, atomic_write
-from training.checkpoint import LocalCheckpoints, LoopState, load_checkpoint, save_checkpoint
-from training.config import DraftTrainConfig, resolve_aux_layer_ids
+from training.checkpoint import LocalCheckpoints, LoopState, load_checkpoint, read_state, save_checkpoint
+from training.config import ARCHITECTURE_FLAGS, DraftTrainConfig, resolve_aux_layer_ids
 from training.data import Batch, batches, shuffled, to_sample
 from training.loss import TTTObjective, TTTOutput
 from training.model import Eagle3Drafter, build_drafter
@@ -38,6 +40,15 @@ CheckpointSink = Callable[[Path | None, dict], None]  # (checkpoint dir or None,
 VOCAB_FILE = "vocab.safetensors"
 METRICS_FILE = "metrics.jsonl"
 RUN_NAME = "drafter"
+# The DraftTrainConfig fields that define the drafter and how it is trained (aux_layer_ids resolved): a checkpoint
+# made under other values is not resumed, since resuming would load the old architecture, vocabulary, optimizer and
+# schedule whatever the config says. ``steps`` may grow (more steps continue a run). The other fields say where and
+# how a run computes, logs, checkpoints and is measured, and may change between attempts.
+TRAINING_SETTINGS = (
+    "batch_tokens", "max_len", "lr", "warmup_steps", "weight_decay", "grad_clip", "ttt_steps", "step_decay",
+    "teacher_temperature", "loss", "lk_eta", "acceptance_weighting", *ARCHITECTURE_FLAGS, "draft_vocab_size",
+    "aux_layer_ids", "init_from_target", "num_workers", "seed", "shuffle_buffer", "steps",
+)
 
 
 @dataclass
@@ -64,7 +75,7 @@ def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
 
 
 def save_vocab(mapping: VocabMapping, path: Path) -> None:
-    """Written whole: a resume reuses any vocab file it finds."""
+    """Written whole: a resume reuses a vocab file it finds when it is of the configured size (``reusable_vocab``)."""
     with atomic_path(path) as tmp:
         save_file({"d2t": mapping.d2t, "t2d": mapping.t2d}, str(tmp))
 
@@ -72,6 +83,67 @@ def save_vocab(mapping: VocabMapping, path: Path) -> None:
 def load_vocab(path: Path) -> VocabMapping:
     t = load_file(str(path))
     return VocabMapping(d2t=t["d2t"], t2d=t["t2d"])
+
+
+def reusable_vocab(path: Path, size: int) -> bool:
+    """Whether the vocab file at ``path`` holds ``size`` draft ids. One that does not (another
+    ``draft_vocab_size``, or damaged) is counted again: it is derived from the data, and a checkpoint keeps its
+    own copy of the mapping."""
+    try:
+        return load_vocab(path).d2t.numel() == size
+    except (OSError, KeyError, SafetensorError):  # absent, or not a vocab file
+        return False
+
+
+# ----------------------------------------------------------------------------- which checkpoints may resume
+
+
+def training_settings(cfg: DraftTrainConfig, aux_layer_ids: list[int]) -> dict[str, Any]:
+    """The ``TRAINING_SETTINGS`` of a run, its aux layer ids resolved: what a checkpoint must share to resume."""
+    return {name: getattr(cfg, name) for name in TRAINING_SETTINGS} | {"aux_layer_ids": list(aux_layer_ids)}
+
+
+def state_settings(state: Any) -> dict[str, Any] | None:
+    """The ``training_settings`` a checkpoint's state.json records (None: not a state it could come from)."""
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+        return None
+    cfg = state["config"]
+    return {k: cfg[k] for k in TRAINING_SETTINGS if k in cfg} | {"aux_layer_ids": state.get("aux_layer_ids")}
+
+
+def recorded_settings(out_dir: str | Path) -> dict[str, Any] | None:
+    """The settings of the newest checkpoint a ``train_drafter`` in ``out_dir`` would resume (None: none read)."""
+    found = sorted((Path(out_dir) / "ray" / RUN_NAME).glob("step_*/state.json"))
+    try:
+        return state_settings(json.loads(found[-1].read_text())) if found else None
+    except (OSError, ValueError):
+        return None
+
+
+def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """name -> (before, now) of the settings that forbid resuming a training made with ``before``: any that
+    differs, ``steps`` only when it shrank. A name ``before`` lacks (recorded by an older version) passes."""
+    changed = {}
+    for name, value in now.items():
+        if name not in before or before[name] == value:
+            continue
+        if name == "steps" and isinstance(before[name], int) and value > before[name]:
+            continue
+        changed[name] = (before[name], value)
+    return changed
+
+
+def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
+    """``lr 0.001 -> 0.0001, loss ce -> tv``: for the line that says why a training starts again."""
+    return ", ".join(f"{name} {old} -> {new}" for name, (old, new) in changed.items())
+
+
+def check_resumable(before: dict[str, Any] | None, now: dict[str, Any], where: Path) -> None:
+    """Refuse, naming the settings, to resume a checkpoint in ``where`` made with other ``before`` settings."""
+    changed = changed_settings(before or {}, now)
+    if changed:
+        raise ValueError(f"{where} holds a training made with other settings ({describe_changes(changed)}); it "
+                         "cannot be resumed with these: move it away (or train in another folder) to start again")
 
 
 def uses_bf16(precision: str, device: torch.device) -> bool:
@@ -204,11 +276,23 @@ def _step_metrics(
     return m
 
 
+def _logged_step(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a line that is not a whole record (a writer killed mid-line,
+    the NUL-filled tail a crash can leave), which a resume drops rather than fail on."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def _truncate_log(path: Path, last_step: int) -> None:
-    """Drop log lines past the resumed step (they were produced after the last checkpoint)."""
+    """Drop log lines past the resumed step (they were produced after the last checkpoint), and torn ones."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last_step]
+    lines = path.read_text(errors="replace").splitlines()
+    keep = [ln for ln in lines if (step := _logged_step(ln)) is not None and step <= last_step]
     atomic_write(path, "".join(ln + "\n" for ln in keep))  # a kill here keeps the old log, never half of it
 
 
@@ -249,6 +333,8 @@ def train_loop(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.steps))
     state = LoopState()
     if resume_from is not None:
+        settings = training_settings(cfg, drafter.config.eagle_aux_hidden_state_layer_ids)
+        check_resumable(state_settings(read_state(Path(resume_from))), settings, Path(resume_from))
         state = load_checkpoint(Path(resume_from), drafter, optimizer, scheduler)
     log_path = out_dir / METRICS_FILE
     if rank == 0:
@@ -375,9 +461,11 @@ def train_drafter(
     list of row dicts, or a folder of parquet shards. The draft vocab is counted from the
     dataset's loss-masked tokens unless `vocab` is given (pass it when the dataset is a costly
     stream, e.g. `build_vocab_mapping` over the samples' ids, to avoid an extra pass); it is
-    saved in `out_dir` and reused on resume. Re-running with the same `out_dir` resumes from the
-    latest checkpoint (Ray Train restores the run `out_dir/ray/drafter`). Uses the running Ray
-    or starts a local one. `after_step(step)` runs on every worker after each optimizer step (and
+    saved in `out_dir` and reused on resume when of the configured size. Re-running with the same
+    `out_dir` resumes from the latest checkpoint (Ray Train restores the run `out_dir/ray/drafter`)
+    when it was made with the same ``training_settings`` (more steps continue it); other settings
+    raise ValueError, naming them, before Ray starts. Uses the running Ray or starts a local one.
+    `after_step(step)` runs on every worker after each optimizer step (and
     after that step's checkpoint is reported), as in `train_loop`; it travels to the workers
     pickled, so pass a module-level function or a `functools.partial` of one."""
     import ray
@@ -389,14 +477,17 @@ def train_drafter(
 
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    target_config = read_target_config(target_dir)  # the workers load the parts; the driver once, after the fit
+    aux_ids = resolve_aux_layer_ids(cfg, int(target_config["num_hidden_layers"]))
+    # before Ray Train restores the run: its workers would fail on every retry, or resume the old settings silently
+    check_resumable(recorded_settings(out_dir), training_settings(cfg, aux_ids), out_dir / "ray")
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False)
-    target_config = read_target_config(target_dir)  # the workers load the parts; the driver once, after the fit
     ds = as_dataset(dataset_or_rows)
     if cfg.materialize:
         ds = ds.materialize()
     vocab_path = out_dir / VOCAB_FILE
-    if not vocab_path.exists():
+    if not reusable_vocab(vocab_path, min(cfg.draft_vocab_size, int(target_config["vocab_size"]))):
         vocab = vocab or vocab_from_dataset(ds, int(target_config["vocab_size"]), cfg.draft_vocab_size)
         save_vocab(vocab, vocab_path)
     # Ray's default_ingest_options() as it is minus exclude_resources, which Ray deprecates (and warns about when

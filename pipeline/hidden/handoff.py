@@ -238,13 +238,13 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
         timings.add("read_shards", t0)
     else:
         from training.heldout import heldout_acceptance
-        from training.train import train_drafter
+        from training.train import train_drafter, training_settings
 
-        fresh_drafter(layout, *training_data(layout, h.heldout), console)
+        train_cfg = tcfg.model_copy(update={"aux_layer_ids": aux_ids})
+        fresh_drafter(layout, *training_data(layout, h.heldout), console, training_settings(train_cfg, aux_ids))
         vocab = h.draft_vocab(target_cfg["vocab_size"])
         with placement_groups_released(), console.phase(TrainWatch(layout.metrics, tcfg.steps, h.feeding()).lines):
-            res = train_drafter(rows, tcfg.model_copy(update={"aux_layer_ids": aux_ids}), cfg.model.path,
-                                layout.drafter, vocab=vocab)
+            res = train_drafter(rows, train_cfg, cfg.model.path, layout.drafter, vocab=vocab)
         timings.add(h.train_timing, t0)
         result.update(checkpoint=str(res.checkpoint_path), export_dir=str(res.export_dir),
                       metrics={k: v for k, v in res.metrics.items() if isinstance(v, (int, float, str))})
@@ -283,29 +283,59 @@ def training_data(layout: RunLayout, heldout_fraction: float) -> tuple[str, int]
     return h.hexdigest(), len(ids)
 
 
-def fresh_drafter(layout: RunLayout, digest: str, samples: int, console: Console) -> None:
-    """Keep ``drafter/`` for a resumed training only when its checkpoints were made from these samples.
+def fresh_drafter(layout: RunLayout, digest: str, samples: int, console: Console,
+                  settings: dict[str, Any] | None = None) -> None:
+    """Keep ``drafter/`` for a resumed training only when its checkpoints were made from these samples with these
+    training settings (``training.train.training_settings``; ``steps`` may grow, more steps continue a run).
 
     A re-run that added samples (a raised ``max_rows`` or budget, a plan's fragment) would otherwise resume the
-    finished training at its last step and export the old drafter, the new samples never trained on. Such a
-    folder moves to ``drafter.previous/`` (one kept) and training starts from step 0, with a console line. A
-    folder from before ``data.json`` existed is taken as made from these samples (its resume is kept)."""
+    finished training at its last step and export the old drafter, the new samples never trained on; one that
+    changed a setting (lr, loss, draft_vocab_size, an architecture flag) would resume the old optimizer, schedule
+    and vocabulary, or fail on every retry on the old architecture. Such a folder moves to ``drafter.previous/``
+    (one kept) and training starts from step 0, with a console line. A folder from before ``data.json`` existed is
+    taken as made from these samples (its resume is kept); one whose ``data.json`` predates the settings is
+    compared with the settings its newest checkpoint records."""
     d = layout.drafter
     meta = d / DATA_FILE
-    if d.is_dir() and meta.is_file():
-        try:
-            before = json.loads(meta.read_text())
-        except (OSError, ValueError):
-            before = {}
-        if not isinstance(before, dict) or before.get("digest") != digest:
+    settings = settings or {}
+    if d.is_dir():
+        before = _read_data_file(meta)
+        reason = _stale_reason(before, digest, samples, settings, d)
+        if reason:
             prev = d.with_name(d.name + ".previous")
             shutil.rmtree(prev, ignore_errors=True)
             d.rename(prev)
-            then = before.get("samples") if isinstance(before, dict) else None
-            console.line(f"[train] the training samples changed since the drafter was trained ({then} then, "
-                         f"{samples} now): training again from step 0; the previous drafter is in {prev}")
+            console.line(f"[train] {reason}: training again from step 0; the previous drafter is in {prev}")
     d.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(meta, {"samples": samples, "digest": digest})
+    atomic_write_json(meta, {"samples": samples, "digest": digest, "settings": settings})
+
+
+def _read_data_file(path: Path) -> dict[str, Any] | None:
+    """``data.json``: None when absent, {} when it does not read as an object (taken as other samples)."""
+    if not path.is_file():
+        return None
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return before if isinstance(before, dict) else {}
+
+
+def _stale_reason(before: dict[str, Any] | None, digest: str, samples: int, settings: dict[str, Any],
+                  drafter: Path) -> str | None:
+    """Why the drafter folder cannot be resumed (``before``: its ``data.json``), or None when it can."""
+    from training.train import changed_settings, describe_changes, recorded_settings
+
+    if before is not None and before.get("digest") != digest:
+        return (f"the training samples changed since the drafter was trained ({before.get('samples')} then, "
+                f"{samples} now)")
+    recorded = before.get("settings") if before is not None else None
+    if not isinstance(recorded, dict):
+        recorded = recorded_settings(drafter) or {}
+    changed = changed_settings(recorded, settings)
+    if not changed:
+        return None
+    return f"the training settings changed since the drafter was trained ({describe_changes(changed)})"
 
 
 def served_phase(cfg: RunConfig, layout: RunLayout, console: Console, export_dir: str, heldout: dict[str, Any],

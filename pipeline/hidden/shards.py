@@ -32,6 +32,7 @@ from training.data import as_float32, from_bf16_bits
 FORMAT = "eagle3-hidden-shards/1"
 INDEX = RunLayout(".").hidden_index.name
 META_KEY = b"eagle3_hidden"
+SHARD_COLUMNS = ("sample_id", "input_ids", "loss_mask", "aux_hidden", "final_hidden")
 # Keys two shards must agree on to be read as one dataset.
 COMPATIBLE_KEYS = ("format", "aux_layer_ids", "convention", "final", "hidden_size", "dtype")
 
@@ -137,9 +138,38 @@ def decode_table(table: pa.Table) -> Iterator[dict[str, Any]]:
         yield row
 
 
+def unreadable_shard(path: Path, why: str) -> Exception:
+    """The one-line error for a file in the shard folder that does not read: it names the file and the way out."""
+    from pipeline.base.config import UnreadableFile
+
+    return UnreadableFile(f"{path}: {why}; move it away or delete it (a resumed extraction extracts its samples "
+                          "again)")
+
+
+def open_shard(path: str | Path) -> tuple[dict[str, Any], pa.Table]:
+    """(metadata, table) of one shard, read zero-copy. A file that is not a whole hidden-state shard (cut short,
+    another Arrow file under a shard's name) is ``UnreadableFile`` naming it, never a raw Arrow error."""
+    path = Path(path)
+    try:
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_file(source).read_all()
+        table.validate()
+    except (pa.ArrowException, OSError) as e:
+        raise unreadable_shard(path, f"not a readable Arrow shard ({' '.join(str(e).split())})") from None
+    missing = [c for c in SHARD_COLUMNS if c not in table.column_names]
+    try:
+        meta = table_meta(table.schema)
+    except ValueError:  # no metadata, or metadata that is not JSON
+        meta = None
+    if missing or not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        why = f"lacks the columns {missing}" if missing else "has no eagle3_hidden metadata of this format"
+        raise unreadable_shard(path, f"not a hidden-state shard (it {why})")
+    return meta, table
+
+
 def read_shard(path: str | Path) -> pa.Table:
-    with pa.memory_map(str(path)) as source:
-        return pa.ipc.open_file(source).read_all()
+    """One shard's table (``open_shard``)."""
+    return open_shard(path)[1]
 
 
 # ----------------------------------------------------------------------------- write
@@ -194,19 +224,16 @@ def build_index(out_dir: str | Path) -> dict[str, Any]:
     out = Path(out_dir)
     entries, seen, meta = [], set(), None
     for f in shard_files(out):
-        with pa.memory_map(str(f)) as source:
-            reader = pa.ipc.open_file(source)
-            m = table_meta(reader.schema)
-            t = reader.read_all().select(["sample_id", "input_ids"])
+        m, t = open_shard(f)
         if meta is None:
             meta = m
         elif any(m.get(k) != meta.get(k) for k in COMPATIBLE_KEYS):
-            raise ValueError(f"{f.name}: shard metadata {m} does not match {meta}")
+            raise unreadable_shard(f, f"a shard of another extraction: its metadata {m} does not match {meta}")
         ids = t.column("sample_id").to_pylist()
         skip = sorted(set(ids) & seen)
         seen.update(ids)
         entries.append({"file": f.name, "samples": len(ids), "tokens": _n_tokens(t), "bytes": f.stat().st_size,
-                        "target_ids": "target_ids" in reader.schema.names, **({"skip": skip} if skip else {})})
+                        "target_ids": "target_ids" in t.column_names, **({"skip": skip} if skip else {})})
     tokens = sum(e["tokens"] for e in entries)
     size = sum(e["bytes"] for e in entries)
     index = {"format": FORMAT, "meta": meta, "shards": entries, "samples": len(seen), "tokens": tokens, "bytes": size,
@@ -216,11 +243,25 @@ def build_index(out_dir: str | Path) -> dict[str, Any]:
     return index
 
 
+def read_index(path: Path) -> dict[str, Any] | None:
+    """``index.json`` at ``path``; None when it is absent, does not read or is not an index of this format (it is
+    derived from the shards, so such a file is rebuilt, not reported)."""
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(index, dict) or index.get("format") != FORMAT or "meta" not in index:
+        return None
+    entries = index.get("shards")
+    ok = isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("bytes"), int) for e in entries)
+    return index if ok else None
+
+
 def load_index(out_dir: str | Path) -> dict[str, Any]:
     """``index.json`` when it lists exactly the complete shards on disk, else a rebuilt one."""
-    path = Path(out_dir) / INDEX
-    if path.exists():
-        index = json.loads(path.read_text())
+    index = read_index(Path(out_dir) / INDEX)
+    if index is not None:
         listed = {(e["file"], e["bytes"]) for e in index["shards"]}
         if listed == {(f.name, f.stat().st_size) for f in shard_files(out_dir)}:
             return index
@@ -231,21 +272,16 @@ def completed_sample_ids(out_dir: str | Path) -> set[str]:
     """Samples already in complete shards (a restarted extraction skips them)."""
     ids: set[str] = set()
     for f in shard_files(out_dir):
-        with pa.memory_map(str(f)) as source:
-            ids.update(pa.ipc.open_file(source).read_all().column("sample_id").to_pylist())
+        ids.update(read_shard(f).column("sample_id").to_pylist())
     return ids
 
 
 def quarantined_ids(quarantine_dir: str | Path, stage: str = "extract") -> set[str]:
-    """Samples an earlier extraction already quarantined (a resumed run does not retry them)."""
-    import pyarrow.parquet as pq
+    """Samples an earlier extraction already quarantined (a resumed run does not retry them). A quarantine
+    file that does not read is ``UnreadableFile`` naming it (``pipeline.base.records.read_rows``)."""
+    from pipeline.base.records import read_rows
 
-    ids: set[str] = set()
-    for f in sorted(Path(quarantine_dir).glob("*.parquet")):
-        t = pq.read_table(f, columns=["sample_id", "stage"])
-        ids.update(sid for sid, st in zip(t["sample_id"].to_pylist(), t["stage"].to_pylist(), strict=True)
-                   if st == stage)
-    return ids
+    return {r["sample_id"] for r in read_rows(Path(quarantine_dir), ["sample_id", "stage"]) if r["stage"] == stage}
 
 
 def remove_stale_temps(out_dir: str | Path) -> int:

@@ -6,9 +6,11 @@ import json
 import os
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
+from pipeline.base.config import UnreadableFile
 from pipeline.hidden.extract import capture, load_target
 from pipeline.hidden.shards import (
     INDEX,
@@ -17,6 +19,7 @@ from pipeline.hidden.shards import (
     completed_sample_ids,
     from_bf16_bits,
     load_index,
+    quarantined_ids,
     read_hidden_shards,
     remove_stale_temps,
     shard_files,
@@ -122,6 +125,49 @@ def test_a_restart_skips_samples_in_complete_shards_and_repairs_the_index(rows, 
     assert json.loads((tmp_path / INDEX).read_text())["samples"] == 7
     write_shard(rows[5:7], tmp_path, meta)  # a shard the index does not list yet
     assert load_index(tmp_path)["shards"] == build_index(tmp_path)["shards"]
+
+
+@pytest.mark.parametrize("content", ['{"format": "eagle3-hidden-shards/1", "shar', "[]", "\x00" * 64,
+                                     '{"format": "eagle3-hidden-shards/1", "meta": {}, "shards": [{"file": 3}]}'])
+def test_a_corrupt_or_foreign_index_is_rebuilt_from_the_shards(rows, tmp_path, content):
+    """index.json is derived from the shards: one that does not read as an index is rebuilt, not reported."""
+    index = write_shards(rows, tmp_path, shard_meta(AUX, H), samples_per_shard=3)
+    (tmp_path / INDEX).write_text(content)
+    assert load_index(tmp_path)["shards"] == index["shards"]
+    assert json.loads((tmp_path / INDEX).read_text())["samples"] == 7
+    assert sorted(r["sample_id"] for r in read_hidden_shards(tmp_path)) == [f"s{i}" for i in range(7)]
+
+
+def _damaged_shard(folder, kind: str):
+    if kind == "truncated":  # copied in part, or cut by a disk error
+        f = shard_files(folder)[0]
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        return f
+    f = folder / "shard-zzzz.arrow"  # another Arrow file under a shard's name
+    table = pa.table({"x": [1, 2]})
+    with pa.OSFile(str(f), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return f
+
+
+@pytest.mark.parametrize("kind", ["truncated", "foreign"])
+def test_a_damaged_shard_is_an_unreadable_file_naming_it(rows, tmp_path, kind):
+    """Every reader of the folder stops with one line naming the file and what to do, not an Arrow traceback."""
+    write_shards(rows, tmp_path, shard_meta(AUX, H), samples_per_shard=3)
+    bad = _damaged_shard(tmp_path, kind)
+    readers = {"completed_sample_ids": completed_sample_ids, "build_index": build_index, "load_index": load_index,
+               "read_hidden_shards": lambda d: list(read_hidden_shards(d))}
+    for name, read in readers.items():
+        with pytest.raises(UnreadableFile) as e:
+            read(tmp_path)
+        msg = str(e.value)
+        assert msg.startswith(f"{bad}: ") and "move it away or delete it" in msg and "\n" not in msg, name
+
+
+def test_a_corrupt_quarantine_file_is_an_unreadable_file_naming_it(tmp_path):
+    (tmp_path / "q-0.parquet").write_bytes(b"not parquet")
+    with pytest.raises(UnreadableFile, match=str(tmp_path / "q-0.parquet")):
+        quarantined_ids(tmp_path)
 
 
 def test_a_sample_in_two_shards_is_read_once(rows, tmp_path):

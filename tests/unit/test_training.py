@@ -18,7 +18,7 @@ from training.data import Batch, batches, collate, pack_rows, to_sample
 from training.export import export_draft, load_exported
 from training.loss import distill_cross_entropy, shift_left, step_view, ttt_forward, unroll
 from training.model import Eagle3Drafter
-from training.simulate import walk_acceptance
+from training.simulate import response_start, row_counts, walk_acceptance
 from training.target import greedy_ids
 from training.train import cosine_with_warmup, prepare_drafter, train_loop
 from training.ttt_attention import StepKVCache, cached_step_attention, step0_mask
@@ -388,6 +388,45 @@ def test_full_vocab_export_omits_identity_mapping(tmp_path):
     back = load_exported(out)
     assert torch.equal(back.d2t, model.d2t) and torch.equal(back.t2d, model.t2d)
     torch.testing.assert_close(back.fc.weight, model.fc.weight.to(torch.bfloat16).float())
+
+
+def test_a_killed_re_export_leaves_no_old_config_beside_new_weights(tmp_path, monkeypatch):
+    """config.json marks a whole export (``pipeline status``): a kill while a re-export writes its weights must
+    not leave the old config beside them."""
+    import training.export as export
+
+    out = export_draft(small_drafter(seed=0), tmp_path / "export", target_config={})
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        export_draft(small_drafter(seed=1), out, target_config={})
+    assert not (out / "config.json").exists()
+    monkeypatch.undo()
+    export_draft(small_drafter(seed=1), out, target_config={})
+    torch.testing.assert_close(load_exported(out).fc.weight, small_drafter(seed=1).fc.weight, rtol=0, atol=0)
+
+
+def test_response_start_is_where_the_last_masked_run_begins():
+    assert response_start(np.array([0, 0, 1, 1])) == 2
+    assert response_start(np.array([0, 1, 1, 0, 0, 1, 1, 1], np.int8)) == 5  # an earlier assistant turn first
+    assert response_start(np.array([1, 1, 0, 1])) == 3
+    assert response_start(np.array([1, 1, 1])) == 0
+
+
+def test_simulated_decoding_of_a_multi_turn_row_starts_at_the_last_prompt_token():
+    """The loss mask of a multi-turn sample also covers the prompt's earlier assistant turns; decoding the
+    response starts after the whole prompt, so the row drafts as if only the response were masked."""
+    drafter = small_drafter()
+    row = fake_rows([40], prompt=30)[0]  # response 30..39
+    multi_turn = row["loss_mask"].copy()
+    multi_turn[10:18] = 1  # an earlier assistant turn in the prompt
+    lm_head = torch.randn(50, 32)
+    want = row_counts(drafter, [row], lm_head, k=3)
+    assert want[0].drafts <= 9
+    assert row_counts(drafter, [dict(row, loss_mask=multi_turn)], lm_head, k=3) == want
 
 
 def test_walk_acceptance_counts_like_greedy_verification():
