@@ -122,15 +122,20 @@ def serves(row: dict[str, Any], source_name: str) -> bool:
 
 
 def served(row: dict[str, Any], source_name: str) -> dict[str, Any]:
-    """Mark a row its source generated; a re-routed row keeps the reason it was handed on (the report counts it)."""
-    row.update(source=source_name, status="ok", stage="",
+    """Mark a row its source generated; a re-routed row keeps the reason it was handed on (the report counts it).
+    A served row failed nothing: the class of an earlier source's failure must not stay on it."""
+    row.update(source=source_name, status="ok", stage="", failure_class=None,
                reason=row["reason"] if row.get("status") == "reroute" else "")
     return row
 
 
 def hand_on(row: dict[str, Any], reason: str, source_name: str, nxt: str) -> dict[str, Any]:
-    """Re-address a row to source ``nxt``; a spilled row going back to its local source is no longer spilled."""
-    row.update(status="reroute", stage="generate", reason=f"{source_name}: {reason}", source=nxt)
+    """Re-address a row to source ``nxt``; a spilled row going back to its local source is no longer spilled.
+
+    The outcome columns start afresh: the report credits a row's ``attempts`` and ``failure_class`` to the
+    source it ends at, so the requests this source made must not be counted as ``nxt``'s."""
+    row.update(status="reroute", stage="generate", reason=f"{source_name}: {reason}", source=nxt,
+               attempts=None, failure_class=None)
     if row.get("spilled_from") == nxt:
         row["spilled_from"] = None
     return row

@@ -11,6 +11,7 @@ import codecs
 import hashlib
 import json
 import logging
+import math
 import re
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -73,10 +74,31 @@ def _json_refusal(e: ValueError | RecursionError) -> str:
     return "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
 
 
+def _not_a_number(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past the range of a number JSON allows")
+    return value
+
+
+# JSON as RFC 8259 has it: Python's json reads NaN, Infinity and 1e400 (as inf), which no other JSON reader
+# (the HTTP sources' orjson) takes back, so such a row would fail downstream on every run instead of once here.
+STRICT = {"parse_constant": _not_a_number, "parse_float": _finite}
+
+
+def _loads(text: str) -> Any:
+    """``json.loads`` refusing non-finite numbers (a ValueError, as for a too-long integer)."""
+    return json.loads(text, **STRICT)
+
+
 def _maybe_json(value: Any, what: str) -> Any:
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            return _loads(value)
         except json.JSONDecodeError as e:
             raise RowError(f"{what} is a string but not valid JSON: {e}") from None
         except (ValueError, RecursionError) as e:
@@ -116,13 +138,13 @@ def _norm_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
-                json.loads(args or "{}")
+                _loads(args or "{}")
             except (ValueError, RecursionError):  # a JSONDecodeError, a too-long integer or too-deep nesting
                 raise RowError(f"message {i} tool call {j} arguments are not valid JSON") from None
             args = args or "{}"
         elif isinstance(args, dict):
             try:  # a Parquet file can hold values JSON has no form for (a date, bytes)
-                args = json.dumps(args, ensure_ascii=False)
+                args = json.dumps(args, ensure_ascii=False, allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise RowError(f"message {i} tool call {j} arguments are not JSON: {e}") from None
         else:
@@ -227,7 +249,7 @@ _GLAIVE_QUOTED_ARGS = re.compile(r"""("arguments"\s*:\s*)'(.*)'(\s*\})""", re.DO
 def _json_objects(text: str, what: str) -> list[Any]:
     """Every top-level JSON object in free text, in order. Text that is no JSON is skipped; an object JSON
     cannot read (too deep, a too-long integer) is a RowError, not a definition or a call silently lost."""
-    dec, out, i = json.JSONDecoder(), [], 0
+    dec, out, i = json.JSONDecoder(**STRICT), [], 0
     while (i := text.find("{", i)) != -1:
         try:
             obj, end = dec.raw_decode(text, i)
@@ -300,7 +322,7 @@ def _unwritable(prompt: Prompt) -> str:
     parts += [(f"tool {j}", t) for j, t in enumerate(prompt.tools or [])]
     for where, part in parts:
         try:
-            json.dumps(part, sort_keys=True, ensure_ascii=False).encode()
+            json.dumps(part, sort_keys=True, ensure_ascii=False, allow_nan=False).encode()
         except (TypeError, ValueError):
             return where
     return "the prompt"
@@ -308,10 +330,11 @@ def _unwritable(prompt: Prompt) -> str:
 
 def sample_id(dataset: str, row_index: int, prompt: Prompt) -> str:
     """Stable id: dataset name + row index + hash of the canonical content. Content without a UTF-8 JSON form
-    (a Parquet date or bytes in a tool; a lone surrogate, which a JSON \\u escape can write) is a RowError
-    naming where it is: no later stage could write it either."""
+    (a Parquet date or bytes in a tool; a lone surrogate, which a JSON \\u escape can write; a NaN or infinite
+    float) is a RowError naming where it is: no later stage could write it either."""
     try:
-        canon = json.dumps({"m": prompt.messages, "t": prompt.tools}, sort_keys=True, ensure_ascii=False).encode()
+        canon = json.dumps({"m": prompt.messages, "t": prompt.tools}, sort_keys=True, ensure_ascii=False,
+                           allow_nan=False).encode()
     except UnicodeEncodeError as e:
         bad = e.object[e.start:e.end]
         raise RowError(f"{_unwritable(prompt)} holds a lone surrogate ({bad!r}), not valid Unicode") from None
@@ -461,7 +484,7 @@ def _jsonl_rows(path: Path, lines: Iterator[bytes],
             index += 1
             continue
         try:
-            row = json.loads(text)
+            row = _loads(text)
         except json.JSONDecodeError as e:
             row = _bad_line(f"line is not valid JSON ({where}): {e.msg} (column {e.colno})", line)
         except (ValueError, RecursionError) as e:

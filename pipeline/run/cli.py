@@ -52,6 +52,7 @@ def _run(args: argparse.Namespace) -> int:
     if cfg is None:
         return EXIT_REFUSED
     from pipeline.base.run_lock import LockLost
+    from pipeline.generate.sources.chain import StageDied
     from pipeline.run.placement import NoPlacement
 
     refusals = _refusals()
@@ -63,6 +64,9 @@ def _run(args: argparse.Namespace) -> int:
     except LockLost as e:  # another run took the folder over: it owns what is left; the message names it
         print(f"stopped: {e} (exit {EXIT_REFUSED})", file=sys.stderr)
         return EXIT_REFUSED
+    except StageDied as e:  # a stage process died past its bounded restarts: one line, not a Ray traceback
+        print(f"stopped: {e}; rows left to do; re-run: {resume} (exit {EXIT_LEFT_TO_DO})", file=sys.stderr)
+        return EXIT_LEFT_TO_DO
     except NoPlacement as e:  # nothing was started: every prompt is still to do
         print(f"! {e}", flush=True)
         left = getattr(e, "left", 0)

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -52,7 +52,18 @@ from pipeline.prompts.read import (
 )
 from pipeline.report.costs import engine_prices
 from pipeline.report.publish import publish_report
-from pipeline.report.summary import Tally, Timings, audit_for, format_report, ledger_report, source_report, summarize
+from pipeline.report.summary import (
+    Tally,
+    Timings,
+    audit_for,
+    extraction_quarantine,
+    format_report,
+    ledger_report,
+    source_report,
+    summarize,
+    throughput,
+    with_extraction_quarantine,
+)
 from pipeline.run.config import RunConfig
 from pipeline.run.manifest import check_or_write_manifest
 
@@ -152,15 +163,14 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     ensure_held()
     check_placement(cfg, 0)  # the extraction's nodes (an autoscaler may add them only now)
     report["training"] = extract_and_train(cfg, layout, timings, console)
+    # the summary was made before the extraction: its count of passed samples it quarantined is read now
+    report = with_extraction_quarantine(report, extraction_quarantine(
+        layout, {d.name: current_ids(d, layout) for d in cfg.datasets}))
     timings.add("total", t_all)
     report["seconds"] = timings.seconds
     ensure_held()
     gen_s = timings.seconds.get("generate") or 0.0
-    report["throughput"] = {
-        "samples_per_s": round(tally.done / gen_s, 2) if gen_s else None,
-        "tokens_per_s": round(tally.tokens / gen_s, 1) if gen_s else None,
-        "series": tally.series,  # snapshots over time (pipeline.report.throughput), drawn in report.html
-    }
+    report["throughput"] = throughput(tally, gen_s)
     atomic_write_json(layout.report, report)
     wait_for_retired_engines(also=[HiddenStateExtractor.__name__])  # engines stop before this driver exits
     publish_report(cfg, layout, report)  # report.html + the trackers' run summary; never raises
@@ -502,7 +512,12 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]] | PromptSet, 
     import ray.data
 
     from pipeline.generate.router import build_router
-    from pipeline.generate.sources.chain import map_sources, release_placement_groups, reroute_overrides
+    from pipeline.generate.sources.chain import (
+        ACTOR_FAULTS,
+        map_sources,
+        release_placement_groups,
+        reroute_overrides,
+    )
 
     model = cfg.model
     # The overflow deadline runs from here (engine start-up counts: it is wall clock the user waits).
@@ -525,10 +540,10 @@ def _generate_passes(cfg: RunConfig, prompts: list[dict[str, Any]] | PromptSet, 
         fence = {"token": lock.token} if lock is not None else {}  # the lock of layout.lock (RunLock.for_folder)
         ds = ds.map_batches(WriteShards, fn_constructor_args=(layout,), fn_constructor_kwargs=fence,
                             batch_size=block_rows, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1),
-                            num_cpus=0.25)
+                            num_cpus=0.25, **ACTOR_FAULTS)
         rerouted = []
         try:
-            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            for batch in stage_deaths_end(ds.iter_batches(batch_format="pyarrow", batch_size=None), cfg.sources):
                 ensure_held()  # a run whose lock was taken over stops here (exit 2), its sources already halted
                 for row in batch.to_pylist():  # the writer's tally rows (flight.TALLY_SCHEMA): small columns
                     tally.note_start_error(row)
@@ -561,9 +576,45 @@ def stage_pools(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     import ray
     import ray.data
 
+    from pipeline.generate.sources.chain import ACTOR_FAULTS
+
     cpus = ray.cluster_resources().get("CPU")
     out = {}
     for name, pool in (("render", cfg.stages.render), ("validate", cfg.stages.validate_)):
         low, high = pool_bounds(pool, cfg.sources, cpus)
-        out[name] = {"compute": ray.data.ActorPoolStrategy(min_size=low, max_size=high), "num_cpus": pool.num_cpus}
+        out[name] = {"compute": ray.data.ActorPoolStrategy(min_size=low, max_size=high), "num_cpus": pool.num_cpus,
+                     **ACTOR_FAULTS}
     return out
+
+
+def stage_deaths_end(batches: Iterable[Any], sources: Sequence[Any]) -> Iterator[Any]:
+    """``batches`` as they come; a stage actor that died past its bounded restarts (``chain.ACTOR_FAULTS``) ends
+    the run as ``StageDied`` naming the stage (exit 3: what was written stays, the rest is left to do) instead of
+    a Ray traceback."""
+    from pipeline.generate.sources.chain import StageDied, actor_class_of, actor_death, stage_label
+
+    try:
+        yield from batches
+    except Exception as e:
+        death = actor_death(e)
+        if death is None:
+            raise
+        label = stage_label(actor_class_of(str(death)) or dead_actor_class(death), sources)
+        raise StageDied(f"{label}: its actor process died on one batch twice (a crash, the OOM killer or a lost "
+                        "node); what was written is kept") from e
+
+
+def dead_actor_class(death: BaseException) -> str | None:
+    """The stage class of the actor a Ray actor error names by id only (``ActorUnavailableError``), from the
+    cluster's actor table; None when it cannot be asked (best effort: it only names the stage in a message)."""
+    actor_id = getattr(death, "actor_id", None)
+    if not actor_id:
+        return None
+    try:
+        from ray._private.state import actors
+
+        from pipeline.generate.sources.chain import actor_class_of
+
+        return actor_class_of(str((actors(actor_id) or {}).get("ActorClassName") or ""))
+    except Exception:  # noqa: BLE001 - the message then says "a stage actor"
+        return None

@@ -195,7 +195,8 @@ def test_assign_sources_stage_and_refeed_overrides():
     assert reroute_overrides(left) == {out[0]["sample_id"]: "vllm"}
     unroutable = build_router([src("api", "openrouter")], [ds("chat")], RoutingConfig(tool_prompts="exact_ids"), 1)
     out = assign_sources(rows_to_table([flight(1, tools='[{"type": "function"}]')]), unroutable).to_pylist()
-    assert out[0]["status"] == "quarantine" and out[0]["reason"].startswith("route: no source")
+    assert (out[0]["status"], out[0]["failure_class"]) == ("not_generated", "config")  # the routing's fault
+    assert out[0]["reason"].startswith("route: no source")
 
 
 def test_http_outcomes_fold_into_flight_rows():

@@ -67,7 +67,7 @@ def test_cpu_stage_pools_follow_the_sources_and_the_cluster():
 
 def test_render_routes_and_validate_closes_the_chain_as_the_routing_actors_did():
     """The run folds the chain's two ends into its CPU pools: render writes each row's source as
-    ``assign_sources`` does (an override wins, an unroutable row is quarantined), and validate quarantines an
+    ``assign_sources`` does (an override wins, an unroutable row is left to do), and validate quarantines an
     ok row no source generated as ``close_unserved`` does, before its checks."""
     from pipeline.base.config import RoutingConfig
     from pipeline.base.flight import rows_to_table

@@ -26,6 +26,7 @@ gives the actor all TP GPUs, since the engine forks its workers itself.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -55,6 +56,63 @@ _PLACEMENT_GROUPS: list[Any] = []  # created in this (driver) process by placeme
 # vLLM's workers get 30 s rather than 5 to exit when the engine stops (see vllm_source.STOP_TIMEOUT_S).
 ENGINE_ACTOR_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false",
                                  "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}}
+
+# How often a stage actor whose process died (a segfault, the OOM killer, a lost node) is brought back, and its
+# batches re-run. Ray Data 2.60 defaults both to -1, without end (ActorPoolMapOperator._apply_default_remote_args
+# fills them only when absent), so one batch that kills its process ran the job forever. Here an actor may come
+# back 3 times over its life (chance deaths), a batch is re-run once: a batch that kills its actor twice fails the
+# dataset, and the run ends (``StageDied``, exit 3) with what it wrote kept and the rest left to do. Given to
+# every ``map_batches`` of the chain and the run's stage pools as extra remote args, the only form Ray Data 2.60
+# takes them in (it warns that form goes in 2.64, which names no successor yet: revisit on upgrading).
+ACTOR_FAULTS: dict[str, int] = {"max_restarts": 3, "max_task_retries": 1}
+
+UNROUTED = "route: no source may serve it"  # the reason's start for a prompt the routing gives no source
+UNROUTED_CLASS = "config"  # its failure_class: the config's fault, left to do (Tally.unrouted reports it)
+
+# The words the run's messages use for the stage actors that are not sources (Ray names an actor by its class).
+STAGE_WORDS = {"RenderPrompts": "render", "ValidateSamples": "validate", "WriteShards": "writer",
+               "AssignSources": "routing", "CloseUnserved": "routing"}
+
+
+class StageDied(RuntimeError):
+    """A stage actor's process died more often than ``ACTOR_FAULTS`` allows: the run stops, what it wrote stays
+    written and every other prompt is left to do (exit 3), rather than re-running the batch forever."""
+
+
+def actor_death(error: BaseException) -> BaseException | None:
+    """The Ray actor failure (``RayActorError``: the process died or went unreachable) in ``error`` or the
+    errors it wraps, or None: only such a failure means a stage process is gone, not a bug to show as one."""
+    from ray.exceptions import RayActorError
+
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RayActorError):
+            return e
+        cause = getattr(e, "cause", None)  # RayTaskError wraps the task's error here
+        todo += [e.__cause__, e.__context__, cause if isinstance(cause, BaseException) else None]
+    return None
+
+
+def actor_class_of(message: str) -> str | None:
+    """The stage class in a Ray actor error's text (``class_name: MapWorker(MapBatches(X))``), or None."""
+    found = re.search(r"MapBatches\((\w+)\)", message)
+    return found.group(1) if found else None
+
+
+def stage_label(class_name: str | None, sources: Sequence[Any]) -> str:
+    """What a message calls the stage whose actor is of class ``class_name``: its source names (every source of
+    that kind: Ray names the class, not the source) or the stage's word."""
+    if class_name is None:
+        return "a stage actor"
+    names = [s.name for s in sources if source_kind(s).actor_class_name == class_name]
+    if names:
+        return f"source {', '.join(repr(n) for n in names)} ({class_name})"
+    return f"stage {STAGE_WORDS.get(class_name, class_name)!r} ({class_name})"
 
 
 def placement_strategy(bundles: int, bundle_resources: Mapping[str, float] | None = None) -> dict[str, Any]:
@@ -144,7 +202,9 @@ def chain_batch_size(batch_size: int, share: float, cap: int = 8) -> int:
 
 
 def assign_sources(batch: pa.Table, router: Router, overrides: Mapping[str, str] | None = None) -> pa.Table:
-    """Write each ok row's source (an override wins: a re-fed re-route); no source -> quarantine.
+    """Write each ok row's source (an override wins: a re-fed re-route); a row no source may serve is left to
+    do (``failure_class`` ``config``, the reason naming the routing key): the routing is at fault, not the
+    prompt, so the re-run after the config is fixed generates it.
 
     Reads the four columns routing needs and replaces ``source`` (and the marks of an unroutable row): the
     prompts and answers in the block are never turned into Python objects."""
@@ -161,12 +221,30 @@ def assign_sources(batch: pa.Table, router: Router, overrides: Mapping[str, str]
         name = overrides.get(ids[i]) or router.route(row)
         if name is None:
             lost.append(i)
-            reasons.append(f"route: no source may serve dataset {datasets[i]!r}"
-                           f"{' prompts with tools' if has_tools(row) else ''}")
+            reasons.append(unroutable_reason(router, str(datasets[i]), has_tools(row)))
         else:
             sources[i] = name
     batch = with_column(batch, "source", sources)
-    return marked(batch, lost, "quarantine", "generate", reasons) if lost else batch
+    if not lost:
+        return batch
+    classes = batch.column("failure_class").to_pylist()
+    for i in lost:
+        classes[i] = UNROUTED_CLASS
+    return with_column(marked(batch, lost, "not_generated", "generate", reasons), "failure_class", classes)
+
+
+def unroutable_reason(router: Router, dataset: str, tools: bool) -> str:
+    """Why no source may serve a prompt of ``dataset``, naming the config key to change."""
+    allowed = router.allowed.get(dataset)
+    if allowed is not None and not router.eligible(dataset, False):
+        return (f"{UNROUTED}: dataset {dataset!r}'s sources: ({', '.join(allowed) or 'an empty list'}) names no "
+                "source of this run")
+    if tools:
+        key = (f"routing.tool_prompts_by_dataset[{dataset!r}]" if dataset in router.tool_rules
+               else "routing.tool_prompts")
+        rule = router.tool_rules.get(dataset, router.default_tool_rule)
+        return f"{UNROUTED}: {key} is {rule!r}, and no source of dataset {dataset!r} qualifies for prompts with tools"
+    return f"{UNROUTED}: no source may serve dataset {dataset!r}"
 
 
 def close_unserved(batch: pa.Table) -> pa.Table:
@@ -241,7 +319,7 @@ def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Sam
         resources = engine_resources(src, ray_tp=kind.layout == "engine") | {"runtime_env": ENGINE_ACTOR_ENV}
     return ds.map_batches(kind.actor_class(), fn_constructor_args=(model_dir, profile, sampling, src, router),
                           fn_constructor_kwargs=kwargs, batch_size=batch, batch_format="pyarrow", compute=compute,
-                          **resources)
+                          **resources, **ACTOR_FAULTS)
 
 
 def map_routed(ds: Any, sources: Sequence[Any], *, model_dir: str, profile: str, sampling: SamplingConfig,
@@ -258,7 +336,7 @@ def map_routed(ds: Any, sources: Sequence[Any], *, model_dir: str, profile: str,
     import ray.data
 
     routing = {"batch_format": "pyarrow", "num_cpus": 0,
-               "compute": ray.data.ActorPoolStrategy(size=ROUTE_ACTORS)}
+               "compute": ray.data.ActorPoolStrategy(size=ROUTE_ACTORS), **ACTOR_FAULTS}
     ds = ds.map_batches(AssignSources, fn_constructor_args=(router, dict(overrides or {})), **routing)
     ds = map_sources(ds, sources, model_dir=model_dir, profile=profile, sampling=sampling, router=router,
                      ledgers=ledgers, layout=layout, replays=replays)

@@ -8,9 +8,11 @@ never loses a row, and only a prompt's own failure quarantines it: an engine err
 on a batch is isolated by retrying its rows one at a time; a row that still fails
 while others of its batch pass is the prompt's fault (it would fail again) and is
 handed to the next source the router names (status ``reroute``) or quarantined at
-stage ``generate`` with the error. When every row fails alone too, the engine is
-at fault: the rows are handed on or left to do (``failure_class`` ``engine``) and
-the actor serves no more rows of its own (each later one handed on or left to
+stage ``generate`` with the error (``failure_class`` ``sample``); so is a row
+whose output ids the profile cannot read (``engine output unreadable``: an id
+past the tokenizer's vocabulary), the rest of its batch going on. When every row
+fails alone too, the engine is at fault: the rows are handed on or left to do
+(``failure_class`` ``engine``) and the actor serves no more rows of its own (each later one handed on or left to
 do), so a re-run does them once the engine is fixed. ``on_error: raise`` instead
 re-raises so Ray retries the task.
 
@@ -46,6 +48,8 @@ from pipeline.profiles import load_profile
 log = logging.getLogger(__name__)
 
 START_FAILED = "engine failed to start"
+UNREADABLE = "engine output unreadable"  # the ids came back but the profile cannot split or decode them
+SAMPLE = "sample"  # failure_class of a prompt quarantined for its own failure (it would fail again)
 ENGINE = "engine"  # failure_class of rows an engine's own failure left to do (a re-run does them)
 TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "OPENROUTER_API_KEY")  # blanked out of start errors
 
@@ -169,6 +173,7 @@ class EngineSource:
             if len(r["prompt_ids"]) >= self.cfg.max_model_len:
                 fail_row(r, f"prompt of {len(r['prompt_ids'])} tokens does not fit max_model_len "
                             f"{self.cfg.max_model_len}", self.source_name, self.router)
+                self._sample_failure(r)
                 continue
             todo.append(r)
         if todo:
@@ -191,6 +196,7 @@ class EngineSource:
             if len(failed) < len(rows):  # the others passed alone: these prompts fail, and would again
                 for r, e in failed:
                     fail_row(r, f"engine error: {start_error_text(e)}", self.source_name, self.router)
+                    self._sample_failure(r)
                 return
             self.halted = f"{why} (on every prompt of a batch, each alone too: the engine, not the prompts)"
             log.error("source %r (%s): %s; its rows from now on go to their next source or are left to do",
@@ -213,11 +219,24 @@ class EngineSource:
             self._provenance(r)
             if res.error is not None or res.ids is None:  # the engine's own verdict on this one prompt
                 fail_row(r, f"engine error: {res.error or 'no output ids'}", self.source_name, self.router)
+                self._sample_failure(r)
                 continue
-            fill_from_engine(r, self.profile, res.ids, res.finish, res.seconds)
+            try:
+                fill_from_engine(r, self.profile, res.ids, res.finish, res.seconds)
+            except Exception as e:  # noqa: BLE001 - e.g. an id past the tokenizer's vocabulary (Qwen3's model has more)
+                # This prompt's own output (its seed makes it again on a re-run): it fails alone, the batch goes on.
+                fail_row(r, f"{UNREADABLE}: {start_error_text(e)}", self.source_name, self.router)
+                self._sample_failure(r)
+                continue
             r["engine_s"] = share
             served(r, self.source_name)
         return None
+
+    @staticmethod
+    def _sample_failure(row: dict[str, Any]) -> None:
+        """Class a row quarantined for its own prompt's failure ``sample``, as the HTTP sources do."""
+        if row["status"] == "quarantine":
+            row["failure_class"] = SAMPLE
 
     def _leave(self, row: dict[str, Any], reason: str) -> None:
         """Hand a row on, or leave it to do: the engine failed it, not its prompt."""

@@ -284,11 +284,14 @@ class HttpEngine:
         session = await self._ensure_session()
         assert self._slots is not None
         dataset = str(row["dataset"])
-        messages = loads(row["messages"]) if isinstance(row["messages"], str) else row["messages"]
-        tools_raw = row.get("tools") or ""
-        tools = loads(tools_raw) if isinstance(tools_raw, str) and tools_raw else (tools_raw or None)
         thinking = bool(row.get("thinking"))
-        digest = request_digest(build_request(messages, tools, thinking, self.opts))
+        try:  # a row no JSON reader takes back (NaN, 1e400) fails the same way on every run: its own fault
+            messages = loads(row["messages"]) if isinstance(row["messages"], str) else row["messages"]
+            tools_raw = row.get("tools") or ""
+            tools = loads(tools_raw) if isinstance(tools_raw, str) and tools_raw else (tools_raw or None)
+            digest = request_digest(build_request(messages, tools, thinking, self.opts))
+        except (ValueError, TypeError, RecursionError) as e:
+            return self._unsendable(row, e)
         replayed = self._replay(row, digest, thinking)
         if replayed is not None:
             return replayed
@@ -599,6 +602,14 @@ class HttpEngine:
         out = self._base(row, QUARANTINED, reason, attempts, last.failure_class)
         out["provider"] = last.provider
         return out
+
+    def _unsendable(self, row: dict[str, Any], error: BaseException) -> dict[str, Any]:
+        """A prompt whose messages or tools cannot be made into a request: quarantined (class ``sample``), no
+        request sent, rather than left to do on every run."""
+        reason = self.redact(f"prompt cannot be sent: its messages or tools are not JSON the API takes "
+                             f"({type(error).__name__}: {' '.join(str(error).split())})")
+        log.warning("quarantined %s: %s", row.get("sample_id"), reason)
+        return self._base(row, QUARANTINED, reason, 0, "sample")
 
     def _not_generated(self, row: dict[str, Any], attempts: int, reason: str,
                        failure_class: str = "transient") -> dict[str, Any]:
