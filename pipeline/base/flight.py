@@ -35,6 +35,9 @@ FLIGHT_SCHEMA = pa.schema([
     pa.field("start_error", pa.string()),
     pa.field("attempts", pa.int32()),
     pa.field("failure_class", pa.string()),  # why not ok: transient | sample | account | budget | config | engine
+    # what the source's rebuild from text could not pin down ("" none; null: not rebuilt here, so the rebuild
+    # check runs it again): carried so validation does not tokenize every answer a second time
+    pa.field("rebuild_doubt", pa.string()),
 ])
 
 # What the writer hands back to the driver per row: the small columns it tallies (counts, audit figures,

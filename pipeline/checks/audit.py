@@ -29,6 +29,7 @@ from pipeline.checks.validate import (
     assert_conservation,
     billing_diff,
     billing_outlier,
+    configured_mode,
     validate_sample,
 )
 
@@ -182,7 +183,7 @@ class _Block:
 def _mode_label(name: str, cfg: ChecksConfig) -> str:
     if name == "roundtrip":
         return f"engine:{cfg.roundtrip} rebuilt:{cfg.roundtrip_rebuilt}"
-    return str(getattr(cfg, name))
+    return str(configured_mode(name, cfg))
 
 
 class AuditAccumulator:
@@ -432,8 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help or a usage error; argparse already printed why
         return int(e.code or 0)
-    from pipeline.profiles import load_profile  # tokenizers load only when an audit really runs
+    from pipeline.profiles import check_model_folder, load_profile  # tokenizers load only when an audit runs
 
+    if args.model_dir and (reason := check_model_folder(args.profile, args.model_dir)):
+        print(f"audit: {reason}", file=sys.stderr)
+        return 2
     try:
         cfg = _checks_config(args.checks, args.max_failures)
         profile = load_profile(args.profile, args.model_dir)

@@ -26,6 +26,16 @@ the API reports it, the billed ``completion_tokens``:
 
 The default reading comes first; when the billed count is known and the default
 does not match it, the other readings are tried and the first that matches wins.
+That settles them for a server that bills every id it generated (vLLM, SGLang).
+A provider's bill may be a token off (openrouter.md: mean |diff| 1.0 token), and
+the readings differ by one token (a ``</think>``) or two: where the default is
+within ``BILL_SLACK`` of the bill too, the bill cannot say which the target
+wrote. ``Rebuilt.doubt`` says so, and the validation stage quarantines the
+sample (``check_rebuild``) rather than keep ids that may be a token wrong.
+
+An answer ends with the end-of-turn id only when the API says the model ended
+it (``NATURAL_ENDS``); any other finish (``length``, a filter, an abort) cut it.
+Empty reasoning (``""``) is no reasoning, the same as ``None``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,20 @@ from typing import Any, NamedTuple
 
 from pipeline.profiles.base import Completion, Profile
 
+# Finish reasons that say the model ended its turn (wrote its end-of-turn token): OpenAI's, vLLM's and
+# SGLang's ``stop`` and ``tool_calls`` (``function_call``: OpenAI's older name for the same). Anything else
+# (``length``, ``content_filter``, vLLM/SGLang ``abort``, a name we do not know) cut the answer off.
+NATURAL_ENDS = frozenset({"stop", "tool_calls", "function_call"})
+# Tokens a provider's bill may be off on a faithful response (openrouter.md: mean |diff| 1.0 token).
+BILL_SLACK = 1
+# Finish reasons whose text is not known to be what the target wrote (a provider's filter cut or edited it).
+FILTERED = frozenset({"content_filter"})
+
+
+def cut_off(finish_reason: str) -> bool:
+    """Whether the answer was cut before the model ended it: no end-of-turn id was generated."""
+    return finish_reason not in NATURAL_ENDS
+
 
 @dataclass
 class Rebuilt:
@@ -43,6 +67,7 @@ class Rebuilt:
     reading: str = "default"  # which reading of the text produced ids (see module docstring)
     billed_delta: int | None = None  # len(ids) - billed completion_tokens, when billed
     reasoning_missing: bool = False  # thinking on, yet the API returned no reasoning to rebuild
+    doubt: str | None = None  # why the text and bill do not pin the ids down (check_rebuild quarantines)
 
 
 class TextSeg(NamedTuple):
@@ -59,10 +84,14 @@ Segment = int | TextSeg  # a special id the layout puts there, or text
 class Reading:
     think_end: bool
     pad: bool
+    # Thinking on, no reasoning, a ``</think>`` string in content: no parser ran and it is the real one.
+    # Off for the same text read as a parser's split that found the reasoning empty ("" from vLLM's parser).
+    unparsed: bool = False
 
     @property
     def label(self) -> str:
-        return ("think_end" if self.think_end else "no_think_end") + ("+padded" if self.pad else "")
+        return (("think_end" if self.think_end else "no_think_end") + ("+padded" if self.pad else "")
+                + ("+unparsed" if self.unparsed else ""))
 
 
 def completion_from_message(
@@ -70,8 +99,8 @@ def completion_from_message(
 ) -> Completion:
     """A Completion from an API ``message``: ``reasoning`` (OpenRouter) or ``reasoning_content`` (vLLM/SGLang)."""
     reasoning = message.get("reasoning")
-    if reasoning is None:
-        reasoning = message.get("reasoning_content")
+    if not reasoning:  # "" is no reasoning: a server may send it empty and the text in reasoning_content
+        reasoning = message.get("reasoning_content") or reasoning
     calls = message.get("tool_calls") or None
     billed = (usage or {}).get("completion_tokens")
     return Completion(
@@ -99,14 +128,14 @@ def completion_from_response(body: dict[str, Any]) -> Completion:
     return completion_from_message(choice.get("message") or {}, choice.get("finish_reason"), body.get("usage"))
 
 
-def _think_end_written(profile: Profile, c: Completion, thinking: bool) -> tuple[bool, bool]:
+def _think_end_written(profile: Profile, c: Completion, thinking: bool, unparsed: bool) -> tuple[bool, bool]:
     """(whether ``</think>`` goes in by default, whether the other reading is possible)."""
     if not thinking:
         return False, False
     content = c.content or ""
-    if c.reasoning is None and profile.think_end_text in content:
+    if unparsed:
         return False, False  # no reasoning parser ran: </think> is inside the content already
-    truncated = c.finish_reason == "length"
+    truncated = cut_off(c.finish_reason)
     if content:
         # A raw tool-call section right after the reasoning may have ended it implicitly.
         implicit = profile.tool_section_ends_reasoning and content.startswith(profile.tool_section_begin_text)
@@ -123,14 +152,15 @@ def _padded(profile: Profile, reasoning: str, content: str, c: Completion, think
         return reasoning, content
     if before and not reasoning[-1:].isspace():
         reasoning += before
-    if after and not content[:1].isspace() and (content or c.tool_calls or c.finish_reason != "length"):
+    if after and not content[:1].isspace() and (content or c.tool_calls or not cut_off(c.finish_reason)):
         content = after + content
     return reasoning, content
 
 
 def _unparsed(profile: Profile, c: Completion, thinking: bool) -> bool:
-    """Thinking on and no reasoning parser ran: the content holds the reasoning and the real ``</think>``."""
-    return thinking and c.reasoning is None and profile.think_end_text in (c.content or "")
+    """Thinking on, no reasoning ("" or None) and a ``</think>`` string in content: by default no reasoning
+    parser ran, and the content holds the reasoning and the real ``</think>``."""
+    return thinking and not c.reasoning and profile.think_end_text in (c.content or "")
 
 
 def response_segments(profile: Profile, c: Completion, thinking: bool, reading: Reading) -> list[Segment]:
@@ -143,7 +173,7 @@ def response_segments(profile: Profile, c: Completion, thinking: bool, reading: 
         segs.append(TextSeg(reasoning, profile.reasoning_specials))
     if reading.think_end:
         segs.append(profile.think_end_id)
-    if content and _unparsed(profile, c, thinking):
+    if content and reading.unparsed:
         head, tail = content.split(profile.think_end_text, 1)
         segs += [TextSeg(head, profile.reasoning_specials), profile.think_end_id]
         content = tail
@@ -151,7 +181,7 @@ def response_segments(profile: Profile, c: Completion, thinking: bool, reading: 
         segs.append(TextSeg(content, profile.content_specials))
     if c.tool_calls:
         segs.append(TextSeg(profile.render_tool_calls(c.tool_calls), profile.tool_marker_texts))
-    if c.finish_reason != "length":
+    if not cut_off(c.finish_reason):
         segs.append(profile.eot_id)
     return segs
 
@@ -166,20 +196,26 @@ def response_text(profile: Profile, c: Completion, thinking: bool, reading: Read
 
 def default_reading(profile: Profile, c: Completion, thinking: bool) -> Reading:
     thinking = thinking or bool(c.reasoning)
-    think_end, _ = _think_end_written(profile, c, thinking)
-    return Reading(think_end=think_end, pad=any(profile.think_end_padding))
+    unparsed = _unparsed(profile, c, thinking)
+    think_end, _ = _think_end_written(profile, c, thinking, unparsed)
+    return Reading(think_end=think_end, pad=any(profile.think_end_padding), unparsed=unparsed)
 
 
 def readings(profile: Profile, c: Completion, thinking: bool) -> list[Reading]:
     """Every reading of the text the target could have written, the default first."""
     thinking = thinking or bool(c.reasoning)
     first = default_reading(profile, c, thinking)
-    _, open_question = _think_end_written(profile, c, thinking)
+    _, open_question = _think_end_written(profile, c, thinking, first.unparsed)
     out = [first]
     if first.pad:
         out.append(Reading(first.think_end, False))
     if open_question:
         out += [Reading(not first.think_end, first.pad), Reading(not first.think_end, False)]
+    if first.unparsed and c.reasoning == "":
+        # An empty string may also be a parser's split whose reasoning was empty (the model wrote </think>
+        # first): then the </think> string in content is text the model wrote after it.
+        think_end = _think_end_written(profile, c, thinking, False)[0]
+        out += [Reading(think_end, first.pad), Reading(think_end, False)]
     return list(dict.fromkeys(out))
 
 
@@ -201,11 +237,12 @@ def rebuild_ids(profile: Profile, completion: Completion, thinking: bool) -> Reb
 
     Reasoning returned with thinking off is still the model's text before a ``</think>`` it wrote.
     """
-    truncated = completion.finish_reason == "length"
-    missing = thinking and completion.reasoning is None and profile.think_end_text not in (completion.content or "")
+    truncated = cut_off(completion.finish_reason)
+    missing = thinking and not completion.reasoning and profile.think_end_text not in (completion.content or "")
     options = readings(profile, completion, thinking)
     billed = completion.completion_tokens
     first_ids: list[int] | None = None
+    chosen: Rebuilt | None = None
     for reading in options:
         ids = encode_segments(profile, response_segments(profile, completion, thinking, reading))
         if first_ids is None:
@@ -213,10 +250,37 @@ def rebuild_ids(profile: Profile, completion: Completion, thinking: bool) -> Reb
         if billed is None:
             break
         if len(ids) == billed:
-            return Rebuilt(ids, truncated, reading.label, 0, missing)
+            chosen = Rebuilt(ids, truncated, reading.label, 0, missing)
+            break
     assert first_ids is not None
-    delta = None if billed is None else len(first_ids) - billed
-    return Rebuilt(first_ids, truncated, options[0].label, delta, missing)
+    if chosen is None:
+        chosen = Rebuilt(first_ids, truncated, options[0].label, None if billed is None else len(first_ids) - billed,
+                         missing)
+    chosen.doubt = rebuild_doubt(completion, chosen, options[0].label, len(first_ids))
+    return chosen
+
+
+def rebuild_doubt(c: Completion, rebuilt: Rebuilt, default_label: str, n_default: int) -> str | None:
+    """Why ``rebuilt.ids`` may not be what the target wrote though every other check passes, or None.
+
+    A bill within ``BILL_SLACK`` of the default reading cannot overrule it (the bill may be that far off);
+    reasoning the API did not return is only known to be empty when the bill leaves no room for it; a
+    filtered answer's text is the filter's.
+    """
+    billed = c.completion_tokens
+    doubts = []
+    if c.finish_reason in FILTERED:
+        doubts.append(f"finish_reason {c.finish_reason!r}: the provider's filter cut or changed the answer, so its "
+                      "text is not known to be the target's")
+    if rebuilt.reading != default_label and billed is not None and abs(n_default - billed) <= BILL_SLACK:
+        doubts.append(f"the bill ({billed} tokens) fits reading {rebuilt.reading} ({len(rebuilt.ids)} ids) but is "
+                      f"within {BILL_SLACK} of the layout's reading {default_label} ({n_default} ids): a bill that "
+                      "may be a token off cannot say which the target wrote")
+    if rebuilt.reasoning_missing and (billed is None or len(rebuilt.ids) < billed - BILL_SLACK):
+        hidden = "and no bill to show none was hidden" if billed is None else \
+            f"and {billed - len(rebuilt.ids)} billed tokens are not in the ids"
+        doubts.append(f"thinking on but the API returned no reasoning {hidden}")
+    return "; ".join(doubts) or None
 
 
 def rebuild_from_response(profile: Profile, body: dict[str, Any], thinking: bool) -> Rebuilt:

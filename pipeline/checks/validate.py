@@ -14,7 +14,8 @@ from typing import Any
 
 from pipeline.base.config import CheckMode, ChecksConfig
 from pipeline.base.flight import output_len
-from pipeline.profiles.base import Profile, tool_function
+from pipeline.checks.reconstruct import cut_off, rebuild_ids
+from pipeline.profiles.base import Completion, Profile, tool_function
 
 Check = Callable[[dict[str, Any], Profile, ChecksConfig], str | None]
 
@@ -65,7 +66,10 @@ def response_texts(sample: dict[str, Any], p: Profile) -> tuple[str, str]:
 
 
 def is_truncated(sample: dict[str, Any]) -> bool:
-    return bool(sample.get("truncated")) or sample.get("finish_reason") == "length"
+    """Cut before the model ended it: flagged so, or a finish reason other than a natural end (``length``,
+    ``content_filter``, ``abort``, ...). A row that names no finish reason is judged by its flag alone."""
+    finish = sample.get("finish_reason")
+    return bool(sample.get("truncated")) or (isinstance(finish, str) and bool(finish) and cut_off(finish))
 
 
 def billing_diff(sample: dict[str, Any]) -> int | None:
@@ -305,7 +309,24 @@ def check_empty_content(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str
 def check_truncated(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | None:
     if not is_truncated(s):
         return None
-    return f"cut at the length limit after {len(s['output_ids'])} tokens (finish_reason {s.get('finish_reason')!r})"
+    return f"cut off after {len(s['output_ids'])} tokens (finish_reason {s.get('finish_reason')!r})"
+
+
+def check_rebuild(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | None:
+    """Rebuilt ids the API's text and bill do not pin down, though every other check may pass.
+
+    The source's rebuild says so in ``rebuild_doubt`` (``reconstruct.rebuild_doubt`` says why): a bill that
+    cannot tell two readings apart, reasoning the API hid with no bill to show it was empty, a filtered answer.
+    Where the row does not carry it (a written shard the audit re-checks), the rebuild is run again on the
+    stored fields.
+    """
+    carried = s.get("rebuild_doubt")
+    if carried is not None:
+        return carried or None
+    billed = s.get("billed_completion_tokens")
+    c = Completion(s.get("reasoning"), s.get("content"), sample_tool_calls(s) or None,
+                   str(s.get("finish_reason") or "stop"), int(billed) if billed is not None and billed >= 0 else None)
+    return rebuild_ids(p, c, bool(s["thinking"])).doubt
 
 
 def check_repetition(s: dict[str, Any], p: Profile, cfg: ChecksConfig) -> str | None:
@@ -333,8 +354,16 @@ CHECKS: dict[str, Check] = {
     "truncated": check_truncated,
     "repetition": check_repetition,
     "max_length": check_max_length,
+    "rebuild": check_rebuild,
 }
 CHECK_NAMES = tuple(CHECKS)
+# Checks ChecksConfig has no field for (yet): their mode is fixed here; a field of the same name wins.
+FIXED_MODES: dict[str, CheckMode] = {"rebuild": "quarantine"}
+
+
+def configured_mode(name: str, cfg: ChecksConfig) -> CheckMode:
+    """A check's mode in ``cfg``, or its fixed mode where ``cfg`` has no field for it."""
+    return getattr(cfg, name, None) or FIXED_MODES[name]
 
 
 def check_mode(name: str, sample: dict[str, Any], cfg: ChecksConfig) -> CheckMode:
@@ -343,7 +372,9 @@ def check_mode(name: str, sample: dict[str, Any], cfg: ChecksConfig) -> CheckMod
         return cfg.roundtrip_rebuilt
     if name == "billing" and billing_diff(sample) is None:
         return "off"  # nothing billed, nothing to compare
-    return getattr(cfg, name)
+    if name == "rebuild" and sample.get("ids_from") != "rebuilt":
+        return "off"  # an engine's ids are its own, not a reading of text
+    return configured_mode(name, cfg)
 
 
 @dataclass

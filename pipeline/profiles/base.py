@@ -180,8 +180,8 @@ class Profile(ABC):
             return self.render_builtin_prompt(messages, tools, thinking)
         from pipeline.profiles.chat_template import render_template_prompt
 
-        ids, mask = render_template_prompt(self, messages, tools, thinking)
-        return RenderedPrompt(ids=ids, assistant_mask=mask, thinking=self.prompt_opens_reasoning(ids))
+        ids, mask, gen_start = render_template_prompt(self, messages, tools, thinking)
+        return RenderedPrompt(ids=ids, assistant_mask=mask, thinking=self.prompt_opens_reasoning(ids[gen_start:]))
 
     @abstractmethod
     def render_builtin_prompt(
@@ -194,7 +194,11 @@ class Profile(ABC):
         return {}
 
     def prompt_opens_reasoning(self, prompt_ids: list[int]) -> bool:
-        """Whether a prompt leaves the model inside ``<think>`` (its last start after its last end)."""
+        """Whether ids leave the model inside ``<think>`` (their last start after their last end).
+
+        Judge only the generation prompt: earlier turns may hold a ``<think>`` string that a user or a
+        tool wrote, encoded as the special id, which says nothing about this turn.
+        """
         last_start = max((i for i, t in enumerate(prompt_ids) if t == self.think_start_id), default=-1)
         last_end = max((i for i, t in enumerate(prompt_ids) if t == self.think_end_id), default=-1)
         return last_start > last_end

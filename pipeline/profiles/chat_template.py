@@ -56,8 +56,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def render_template_prompt(
     profile: Profile, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool
-) -> tuple[list[int], list[int]]:
-    """Prompt ids through ``profile.chat_template`` and the mask of earlier assistant output."""
+) -> tuple[list[int], list[int], int]:
+    """Prompt ids through ``profile.chat_template``, the mask of earlier assistant output, and where the
+    generation prompt starts in the ids.
+
+    The generation prompt is what ``add_generation_prompt`` adds: the ids after the common prefix of the
+    conversation rendered with it and without it. Only those ids say whether the turn opens reasoning; a
+    ``<think>`` string a user or a tool result wrote earlier is also encoded as the special id.
+    """
     assert profile.chat_template is not None
 
     def ids(msgs: list[dict[str, Any]], gen: bool) -> list[int]:
@@ -80,7 +86,7 @@ def render_template_prompt(
         ends = [k for k in range(start, len(through)) if through[k] == profile.eot_id]
         for k in range(start, ends[-1] + 1 if ends else len(through)):
             mask[k] = 1
-    return full, mask
+    return full, mask, _common_prefix(ids(messages, False), full)
 
 
 def _token_text(value: Any) -> str | None:

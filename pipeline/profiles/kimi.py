@@ -49,6 +49,9 @@ KIMI_PAT = "|".join([
 NUM_RESERVED = 256
 # Kimi's tokenizer cuts text into pieces of at most this many (non-)whitespace characters.
 MAX_RUN = 25_000
+# ... after cutting the whole text (special strings included) into chunks of this many characters
+# (tokenization_kimi.py's TIKTOKEN_MAX_ENCODE_CHARS).
+MAX_CHARS = 400_000
 
 BOS, EOS = "[BOS]", "[EOS]"
 IM_END, IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE = (
@@ -79,7 +82,7 @@ def kimi_tokenizer(rank_file: str | Path, names: dict[int, str] | None = None) -
     """Kimi's tokenizer on a tiktoken rank file (special names by id, else Kimi's built-in layout)."""
     ranks = load_tiktoken_ranks(rank_file)
     return TiktokenTokenizer(
-        ranks, KIMI_PAT, kimi_special_tokens(len(ranks), names), name="kimi", max_run=MAX_RUN
+        ranks, KIMI_PAT, kimi_special_tokens(len(ranks), names), name="kimi", max_run=MAX_RUN, max_chars=MAX_CHARS
     )
 
 

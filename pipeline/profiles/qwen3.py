@@ -71,13 +71,18 @@ def _tool_call_text(call: dict[str, Any]) -> str:
 
 
 def _reasoning_and_content(m: dict[str, Any]) -> tuple[str, str]:
+    """A history turn's (reasoning, content) as Qwen3's template splits them.
+
+    The template takes reasoning before the FIRST ``</think>`` and content after the LAST
+    (``content.split('</think>')[0]`` / ``[-1]``): text between two of them is dropped, as it is there.
+    """
     content = message_text(m.get("content"))
     reasoning = m.get("reasoning_content", m.get("reasoning"))
     if isinstance(reasoning, str):
         return reasoning, content
     if THINK_END in content:
-        head, _, tail = content.rpartition(THINK_END)
-        return head.rstrip("\n").split(THINK)[-1].lstrip("\n"), tail.lstrip("\n")
+        parts = content.split(THINK_END)
+        return parts[0].rstrip("\n").split(THINK)[-1].lstrip("\n"), parts[-1].lstrip("\n")
     return "", content
 
 

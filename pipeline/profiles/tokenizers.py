@@ -159,7 +159,9 @@ class TiktokenTokenizer:
     """A tiktoken rank file with a pre-tokenizer pattern and special tokens at fixed ids.
 
     ``nfc`` applies Unicode NFC to each text piece (Qwen's tokenizer.json does);
-    ``max_run`` reproduces Kimi's cutting of long (non-)whitespace runs.
+    ``max_run`` reproduces Kimi's cutting of long (non-)whitespace runs; ``max_chars`` Kimi's cutting of the
+    whole text into chunks of that many characters before anything else (special strings included: one cut
+    through by a chunk boundary is text, as it is there).
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class TiktokenTokenizer:
         name: str = "tiktoken",
         nfc: bool = False,
         max_run: int | None = None,
+        max_chars: int | None = None,
     ) -> None:
         self._enc = tiktoken.Encoding(
             name, pat_str=pat_str, mergeable_ranks=dict(ranks), special_tokens=dict(special_tokens)
@@ -180,6 +183,7 @@ class TiktokenTokenizer:
         self._all_specials = frozenset(self._special)
         self._nfc = nfc
         self._max_run = max_run
+        self._max_chars = max_chars
         self.n_base = len(ranks)
         self.vocab_size = self._enc.n_vocab
 
@@ -193,14 +197,22 @@ class TiktokenTokenizer:
             out += self._enc.encode_ordinary(part)
         return out
 
+    def _chunks(self, text: str) -> list[str]:
+        """The text cut every ``max_chars`` characters (the whole text when unset or shorter)."""
+        n = self._max_chars
+        if n is None or len(text) <= n:
+            return [text]
+        return [text[i : i + n] for i in range(0, len(text), n)]
+
     def encode(self, text: str, specials: Collection[str] | None = None) -> list[int]:
         """Ids for text; ``specials`` limits which special strings are cut out as their ids (None: all)."""
-        return encode_honouring(text, self._all_specials if specials is None else specials, self._special,
-                                self._encode_piece)
+        honoured = self._all_specials if specials is None else specials
+        return [i for chunk in self._chunks(text)
+                for i in encode_honouring(chunk, honoured, self._special, self._encode_piece)]
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Ids for text with every special string in it treated as ordinary text."""
-        return self._encode_piece(text) if text else []
+        return [i for chunk in self._chunks(text) if chunk for i in self._encode_piece(chunk)]
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(list(ids), errors="replace")
@@ -217,5 +229,6 @@ class TiktokenTokenizer:
         """The text that decoding this tokenizer's encoding of ``text`` gives back (``specials`` as for encode)."""
         if not self._nfc:
             return text
-        return normalize_honouring(text, self._all_specials if specials is None else specials,
-                                   lambda t: unicodedata.normalize("NFC", t))
+        honoured = self._all_specials if specials is None else specials
+        return "".join(normalize_honouring(chunk, honoured, lambda t: unicodedata.normalize("NFC", t))
+                       for chunk in self._chunks(text))

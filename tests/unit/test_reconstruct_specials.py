@@ -152,9 +152,14 @@ def test_tool_call_arguments_holding_special_strings(profile: Profile) -> None:
 
 
 def _literal_ids(p: Profile) -> tuple[list[int], str, str]:
-    """Engine ids whose reasoning and content hold special strings written as ordinary text."""
-    reasoning = f"Writing {p.think_end_text} ends my reasoning; {p.eot_text} ends the turn."
-    content = f"Done: {p.think_end_text} {p.eot_text} {_prompt_only(p)}."
+    """Engine ids whose reasoning and content hold special strings written as ordinary text.
+
+    Around the real ``</think>`` the whitespace the target writes there (Qwen: ``\n</think>\n\n``): without it
+    a bill that may be a token off could not tell its text from the padded layout's (``check_rebuild``).
+    """
+    before, after = p.think_end_padding
+    reasoning = f"Writing {p.think_end_text} ends my reasoning; {p.eot_text} ends the turn.{before}"
+    content = f"{after}Done: {p.think_end_text} {p.eot_text} {_prompt_only(p)}."
     ids = p.encode(reasoning, frozenset()) + [p.think_end_id] + p.encode(content, frozenset()) + [p.eot_id]
     return ids, reasoning, content
 
@@ -218,7 +223,7 @@ def _literal_case(p: Profile) -> st.SearchStrategy[tuple[Completion, bool]]:
 def _expected_think_ends(p: Profile, c: Completion, thinking: bool) -> int:
     """How many </think> ids the layout says the response holds."""
     reading = default_reading(p, c, thinking)
-    no_parser = thinking and c.reasoning is None and p.think_end_text in (c.content or "")
+    no_parser = thinking and not c.reasoning and p.think_end_text in (c.content or "")
     return int(reading.think_end) + int(no_parser)
 
 

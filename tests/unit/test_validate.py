@@ -118,7 +118,7 @@ def test_clean_samples_pass_every_check() -> None:
         v = validate_sample(s, P, CFG)
         assert v.failed == {} and v.flagged == {}, (s["sample_id"], v)
         assert v.passed
-        expected = set(CHECK_NAMES) - ({"billing"} if s["ids_from"] == "engine" else set())
+        expected = set(CHECK_NAMES) - ({"billing", "rebuild"} if s["ids_from"] == "engine" else set())
         assert set(v.ran) == expected
 
 

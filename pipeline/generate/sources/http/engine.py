@@ -180,6 +180,7 @@ class _Attempt:
     seconds: float
     output_ids: list[int] | None = None
     truncated: bool = False
+    doubt: str = ""  # what the text and bill do not pin down (``Rebuilt.doubt``): the rebuild check quarantines
 
 
 class HttpEngine:
@@ -522,7 +523,8 @@ class HttpEngine:
         forbidden = self.profile.forbidden_output_ids
         invalid = drift_exceeds(drift, reply.billed, self.cfg.billing_abs_threshold, self.cfg.billing_rel_threshold) \
             or not forbidden.isdisjoint(rebuilt.ids)
-        return _Attempt(reply, None, seconds, rebuilt.ids, rebuilt.truncated), "invalid" if invalid else "ok", drift
+        return (_Attempt(reply, None, seconds, rebuilt.ids, rebuilt.truncated, rebuilt.doubt or ""),
+                "invalid" if invalid else "ok", drift)
 
     def _replay(self, row: dict[str, Any], digest: str, thinking: bool) -> dict[str, Any] | None:
         """The sample of a response an earlier, killed attempt paid for, when the request would be the same."""
@@ -588,7 +590,7 @@ class HttpEngine:
         out = self._base(row, OK, "", attempts)
         out.update({
             "provider": reply.provider, "model": reply.model or self.cfg.model,
-            "output_ids": att.output_ids, "truncated": att.truncated,
+            "output_ids": att.output_ids, "truncated": att.truncated, "rebuild_doubt": att.doubt,
             "reasoning": c.reasoning, "content": c.content,
             "tool_calls": json.dumps(c.tool_calls, ensure_ascii=False) if c.tool_calls else "",
             "finish_reason": c.finish_reason, "billed_completion_tokens": reply.billed, "cost": reply.cost,

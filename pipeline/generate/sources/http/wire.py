@@ -260,6 +260,11 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
         return fail(f"finish_reason error: {_text(msg) or 'no detail'}", True)
     if native is not None and native.lower() in NATIVE_ERRORS:
         return fail(f"native_finish_reason {native!r} with finish_reason {finish!r}", True)
+    if finish == "content_filter":
+        # The provider's moderation cut (or rewrote) the answer: the text is not the target's to rebuild, and the
+        # same prompt is filtered again. Like a moderation 403 it refuses this prompt (quarantine), nothing else.
+        return fail(f"finish_reason content_filter (native {native!r}): the provider's moderation cut the answer",
+                    False, 403, klass="sample")
     message = choice.get("message")
     if message is None:
         return fail("choice has no message", True)
@@ -450,8 +455,9 @@ def _read_message(message: Mapping[str, Any], where: str) -> dict[str, Any]:
     normalised: text fields as strings (content parts joined), tool calls in OpenAI's shape (arguments
     as a JSON string). Raises ``_BadShape`` naming the field that cannot be read."""
     reasoning = _field_text(message.get("reasoning"), f"{where}.reasoning", REASONING_PARTS)
-    if reasoning is None:
-        reasoning = _field_text(message.get("reasoning_content"), f"{where}.reasoning_content", REASONING_PARTS)
+    if not reasoning:  # "" is no reasoning: a server may send it empty and the text in reasoning_content
+        reasoning = _field_text(message.get("reasoning_content"), f"{where}.reasoning_content",
+                                REASONING_PARTS) or reasoning
     return {"content": _field_text(message.get("content"), f"{where}.content", TEXT_PARTS),
             "reasoning": reasoning, "tool_calls": _tool_calls(message.get("tool_calls"), f"{where}.tool_calls")}
 
