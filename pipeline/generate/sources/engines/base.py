@@ -13,7 +13,8 @@ whose output ids the profile cannot read (``engine output unreadable``: an id
 past the tokenizer's vocabulary), the rest of its batch going on. When every row
 fails alone too, the engine is at fault: the rows are handed on or left to do
 (``failure_class`` ``engine``) and the actor serves no more rows of its own (each later one handed on or left to
-do), so a re-run does them once the engine is fixed. ``on_error: raise`` instead
+do), so a re-run does them once the engine is fixed. An error the engine itself says may pass on a retry (vLLM's
+``error`` finish) hands its row on or leaves it to do too, without judging the engine. ``on_error: raise`` instead
 re-raises so Ray retries the task.
 
 An engine that fails to start (bad model folder, CUDA OOM, package missing) does
@@ -41,6 +42,7 @@ import pyarrow as pa
 
 from pipeline.base.config import SamplingConfig
 from pipeline.base.flight import NextSource, batch_to_rows, fail_row, leave_to_do, rows_to_table, served, serves
+from pipeline.checks.reconstruct import cut_off
 from pipeline.generate.sources.engines.config import EngineSourceConfig
 from pipeline.generate.sources.http.wire import redact
 from pipeline.profiles import load_profile
@@ -66,7 +68,7 @@ def fill_from_engine(row: dict[str, Any], profile: Any, ids: list[int], finish: 
     row.update(
         output_ids=ids, reasoning=comp.reasoning, content=comp.content,
         tool_calls=json.dumps(comp.tool_calls, ensure_ascii=False) if comp.tool_calls else "",
-        finish_reason=finish, truncated=finish == "length", t_generate_s=seconds,
+        finish_reason=finish, truncated=cut_off(finish), t_generate_s=seconds,  # e.g. length, vLLM's repetition
     )
 
 
@@ -88,18 +90,27 @@ def start_error_text(exc: BaseException, limit: int = 500) -> str:
 
 @dataclass
 class EngineResult:
-    """One engine answer: exact output ids, or the error that replaced them."""
+    """One engine answer: exact output ids, or the error that replaced them.
+
+    ``retryable``: the engine says the error was its own and may pass on a retry (vLLM's ``error``): the row is
+    handed on or left to do, not quarantined as the prompt's failure.
+    """
 
     ids: list[int] | None
     finish: str | None
     seconds: float
     error: str | None = None
+    retryable: bool = False
 
 
-def sampling_record(sampling: SamplingConfig, sample_id: str) -> str:
-    """The parameters a sample was generated with, including its own seed (JSON for the shard)."""
-    return json.dumps({**sampling.model_dump(), "request_seed": request_seed(sample_id, sampling.seed)},
-                      sort_keys=True)
+def sampling_record(sampling: SamplingConfig, sample_id: str, seed_sent: bool = True) -> str:
+    """The parameters a sample was generated with, including its own seed (JSON for the shard).
+
+    ``request_seed`` is null when the engine was sent no seed (SGLang with ``deterministic: false``): such a
+    sample cannot be made again, and its provenance must not claim a seed it never had.
+    """
+    seed = request_seed(sample_id, sampling.seed) if seed_sent else None
+    return json.dumps({**sampling.model_dump(), "request_seed": seed}, sort_keys=True)
 
 
 def as_sampling(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
@@ -153,6 +164,10 @@ class EngineSource:
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
         raise NotImplementedError(f"{type(self).__name__} must implement generate_rows")
+
+    def seed_sent(self) -> bool:
+        """Whether each request carries its per-sample seed (``request_seed`` in the provenance; else null)."""
+        return True
 
     def max_new_tokens(self, prompt_len: int) -> int:
         return min(self.sampling.max_tokens, self.cfg.max_model_len - prompt_len)
@@ -217,6 +232,9 @@ class EngineSource:
                              [None if res.error is not None else res.ids for res in results])
         for r, res, share in zip(rows, results, shares, strict=True):
             self._provenance(r)
+            if res.error is not None and res.retryable:  # the engine's own fault, which may pass on a retry
+                self._leave(r, f"engine error: {res.error}")
+                continue
             if res.error is not None or res.ids is None:  # the engine's own verdict on this one prompt
                 fail_row(r, f"engine error: {res.error or 'no output ids'}", self.source_name, self.router)
                 self._sample_failure(r)
@@ -246,4 +264,4 @@ class EngineSource:
 
     def _provenance(self, row: dict[str, Any]) -> None:
         row.update(source=self.source_name, source_kind=self.kind, provider=self.kind, model=self.model_name,
-                   ids_from="engine", sampling=sampling_record(self.sampling, row["sample_id"]))
+                   ids_from="engine", sampling=sampling_record(self.sampling, row["sample_id"], self.seed_sent()))

@@ -49,6 +49,24 @@ class VLLMSourceConfig(EngineSourceConfig):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
 
 
+# ``sglang.Engine`` arguments the SGLang adapter sets itself, with the key that sets them: ``extra_engine_args``
+# may not override them (a silent override would change the ids or their provenance).
+SGLANG_OWNED_ARGS: dict[str, str] = {
+    "model_path": "it is the run's model folder",
+    "tp_size": "set tensor_parallel_size instead",
+    "dtype": "set dtype instead",
+    "context_length": "set max_model_len instead",
+    "skip_tokenizer_init": "prompts go in and answers come back as ids",
+    "random_seed": "it follows sampling.seed",
+    "enable_deterministic_inference": "set deterministic instead",
+    "preferred_sampling_params": "SGLang would merge it under every request's sampling",
+    "sampling_defaults": "only the configured sampling applies",
+    "log_level": "set log_level instead",
+    "mem_fraction_static": "set mem_fraction_static instead",
+    "attention_backend": "set attention_backend instead",
+}
+
+
 class SGLangSourceConfig(EngineSourceConfig):
     kind: Literal["sglang"] = "sglang"
     name: str = "sglang"
@@ -56,7 +74,9 @@ class SGLangSourceConfig(EngineSourceConfig):
     batch_size: int = Field(64, gt=0)
     mem_fraction_static: float | None = None
     attention_backend: str | None = None
-    deterministic: bool | None = None  # None: on when temperature > 0 (needed for per-sample seeds)
+    # None: on when temperature > 0 (needed for per-sample seeds). False at temperature > 0 sends no seed: the
+    # samples record request_seed null and cannot be made again (allowed: the flashinfer sampler is faster).
+    deterministic: bool | None = None
     log_level: str = "error"
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
 
@@ -66,6 +86,15 @@ class SGLangSourceConfig(EngineSourceConfig):
         if self.num_gpus and self.tensor_parallel_size > self.num_gpus:
             raise ValueError(f"source {self.name!r}: tensor_parallel_size {self.tensor_parallel_size} needs "
                              f"num_gpus >= {self.tensor_parallel_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _extra_args_not_owned(self) -> SGLangSourceConfig:
+        owned = sorted(set(self.extra_engine_args) & set(SGLANG_OWNED_ARGS))
+        if owned:
+            key = owned[0]
+            raise ValueError(f"source {self.name!r}: extra_engine_args.{key} is owned by the adapter "
+                             f"({SGLANG_OWNED_ARGS[key]}); remove it")
         return self
 
 

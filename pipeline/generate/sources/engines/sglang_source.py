@@ -9,7 +9,13 @@ it is repaired from ``finish_reason.matched``, which names the exact id.
 
 Per-sample seeds (``sampling_seed``) are honoured only with
 ``enable_deterministic_inference`` (SGLang's seeded sampler; the flashinfer
-sampler rejects seeds), so the config turns it on when temperature > 0.
+sampler rejects seeds), so the config turns it on when temperature > 0. With
+``deterministic: false`` at temperature > 0 no seed is sent, and the samples
+record ``request_seed`` null: they cannot be made again.
+
+``extra_engine_args`` may not set what this adapter owns (the config refuses
+``SGLANG_OWNED_ARGS`` at load): a silent override would change the ids or
+their provenance (``preferred_sampling_params`` is merged under every request).
 
 ``sglang`` is imported only when an actor starts: CPU machines without it
 still import the pipeline, and everything around the engine call is pure.
@@ -47,7 +53,7 @@ def engine_kwargs(model_dir: str, cfg: SGLangSourceConfig, seed: int, sampled: b
         kw["attention_backend"] = cfg.attention_backend
     if cfg.deterministic if cfg.deterministic is not None else sampled:
         kw["enable_deterministic_inference"] = True
-    kw.update(cfg.extra_engine_args)
+    kw.update(cfg.extra_engine_args)  # the config refused every key set above (SGLANG_OWNED_ARGS)
     return kw
 
 
@@ -105,6 +111,7 @@ class SGLangGenerator(EngineSource):
 
     cfg: SGLangSourceConfig
     engine: Any = None
+    seeded: bool = False  # whether requests carry their per-sample seed (set by ``start``)
 
     def preflight(self) -> None:
         if not sglang_available():
@@ -118,6 +125,9 @@ class SGLangGenerator(EngineSource):
         self.seeded = sampled and self.cfg.deterministic is not False
         self.stops = sorted({int(self.profile.eot_id)})
         self.engine = sglang.Engine(**engine_kwargs(model_dir, self.cfg, self.sampling.seed, sampled))
+
+    def seed_sent(self) -> bool:
+        return self.seeded
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
         params = [sampling_params(self.sampling, r["sample_id"], self.max_new_tokens(len(r["prompt_ids"])),

@@ -25,6 +25,22 @@ def stop_ids(profile: Any, generation_config: Any | None) -> list[int]:
     return sorted(ids)
 
 
+def neutral_generation_config(model: Any, eos_ids: list[int]) -> Any:
+    """Give ``model`` a default ``GenerationConfig`` stopping on ``eos_ids`` only, and return it.
+
+    Why: transformers fills every field a ``generate`` call leaves unset from ``model.generation_config``, which
+    ``from_pretrained`` loads from the folder's ``generation_config.json``; its ``repetition_penalty``,
+    ``min_new_tokens``, ``min_p``, ``no_repeat_ngram_size``, ``bad_words_ids``, ... would then change the ids,
+    while vLLM and SGLang apply only the sampling they are sent. Call it once after loading the model.
+    """
+    from transformers import GenerationConfig
+
+    ids = [int(i) for i in eos_ids]
+    neutral = GenerationConfig(eos_token_id=ids, pad_token_id=ids[0])
+    model.generation_config = neutral
+    return neutral
+
+
 def generation_kwargs(sampling: SamplingConfig, max_new_tokens: int, stops: list[int]) -> dict[str, Any]:
     """``generate`` arguments matching the engines' semantics: greedy at temperature 0, no hidden top-k."""
     kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": stops, "pad_token_id": stops[0],
@@ -58,26 +74,27 @@ class TransformersGenerator(EngineSource):
             torch.set_num_threads(max(1, int(self.cfg.num_cpus)))
         dtype = getattr(torch, self.cfg.dtype.replace("auto", "float32"))
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
-        self.gen_config = GenerationConfig()  # explicit: the folder's defaults (e.g. do_sample) do not leak in
         try:
             folder_config = GenerationConfig.from_pretrained(model_dir)
         except OSError:
             folder_config = None
-        self.stops = stop_ids(self.profile, folder_config)
+        self.stops = stop_ids(self.profile, folder_config)  # the folder's EOS ids are kept, as vLLM keeps them
+        neutral_generation_config(self.model, self.stops)  # ... and nothing else of its generation config
 
     def generate_rows(self, rows: list[dict[str, Any]]) -> list[EngineResult]:
         return [self._one(r) for r in rows]
 
     def _one(self, row: dict[str, Any]) -> EngineResult:
+        from transformers import GenerationConfig
+
         torch = self.torch
         prompt = row["prompt_ids"]
         max_new = self.max_new_tokens(len(prompt))
         torch.manual_seed(request_seed(row["sample_id"], self.sampling.seed))
         ids = torch.tensor([prompt], device=self.device)
         t0 = time.perf_counter()
+        config = GenerationConfig(**generation_kwargs(self.sampling, max_new, self.stops))  # every field we set
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      generation_config=self.gen_config,
-                                      **generation_kwargs(self.sampling, max_new, self.stops))
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
         new = out[0, len(prompt):].tolist()
         return EngineResult(new, finish_reason(new, self.stops, max_new), time.perf_counter() - t0)

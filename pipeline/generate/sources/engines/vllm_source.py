@@ -1,5 +1,10 @@
 """vLLM as a local engine source: one ``vllm.LLM`` per Ray Data actor, fed our own prompt ids.
 
+Finish reasons (vLLM 0.32's ``FINISH_REASON_STRINGS``): ``stop`` and ``length`` are answers; ``repetition``
+(its repetition detector cut the answer) is an answer cut off, kept and flagged truncated like ``length``;
+``abort`` fails the prompt; ``error`` (a retryable request-level internal error, e.g. a KV load failure) is the
+engine's fault, so the row is handed on or left to do (``finish_result``).
+
 TP > 1 on GPUs: the actor holds no GPU itself and sits in a placement group of
 TP bundles whose GPUs vLLM's Ray executor fills with its workers
 (``distributed_executor_backend="ray"``; see pipeline.generate.sources.chain).
@@ -17,6 +22,17 @@ from pipeline.base.config import SamplingConfig
 from pipeline.base.flight import NextSource
 from pipeline.generate.sources.engines.base import EngineResult, EngineSource, request_seed
 from pipeline.generate.sources.engines.config import VLLMSourceConfig
+
+ANSWERS = frozenset({"stop", "length", "repetition"})  # finish reasons that come with the answer's ids
+RETRYABLE = frozenset({"error"})  # the engine's own failure on the request: may pass on a retry
+
+
+def finish_result(ids: list[int], finish: str | None, seconds: float) -> EngineResult:
+    """One vLLM answer as an ``EngineResult``: ids kept for an answer (``repetition`` is cut off, so truncated),
+    a retryable engine error for ``error``, and the prompt's failure for ``abort`` or a reason we do not know."""
+    if finish in ANSWERS:
+        return EngineResult(ids, finish, seconds)
+    return EngineResult(None, finish, seconds, f"request finished with {finish!r}", retryable=finish in RETRYABLE)
 
 
 class VLLMGenerator(EngineSource):
@@ -48,6 +64,9 @@ class VLLMGenerator(EngineSource):
         return SamplingParams(
             temperature=s.temperature, top_p=s.top_p, max_tokens=self.max_new_tokens(prompt_len),
             seed=request_seed(sample_id, s.seed), skip_special_tokens=False,
+            # The profile's end of turn ends an answer, as in the other engines, even where the folder's EOS differs
+            # (vLLM adds the tokenizer's and generation config's EOS ids itself).
+            stop_token_ids=[int(self.profile.eot_id)],
             detokenize=False,  # ids are the product; the profile splits them, so engine-side text is wasted CPU
         )
 
@@ -83,12 +102,7 @@ class VLLMGenerator(EngineSource):
             use_tqdm=False,
         )
         per_sample = (time.perf_counter() - t0) / len(rows)
-        results = []
-        for o in outs:
-            c = o.outputs[0]
-            error = f"request finished with {c.finish_reason!r}" if c.finish_reason == "abort" else None
-            results.append(EngineResult(list(c.token_ids), c.finish_reason, per_sample, error))
-        return results
+        return [finish_result(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, per_sample) for o in outs]
 
 
 def prefill_groups(lengths: list[int], budget: int | None) -> list[list[int]]:
