@@ -180,8 +180,8 @@ class Profile(ABC):
             return self.render_builtin_prompt(messages, tools, thinking)
         from pipeline.profiles.chat_template import render_template_prompt
 
-        ids, mask, gen_start = render_template_prompt(self, messages, tools, thinking)
-        return RenderedPrompt(ids=ids, assistant_mask=mask, thinking=self.prompt_opens_reasoning(ids[gen_start:]))
+        ids, mask, opens = render_template_prompt(self, messages, tools, thinking)
+        return RenderedPrompt(ids=ids, assistant_mask=mask, thinking=opens)
 
     @abstractmethod
     def render_builtin_prompt(

@@ -13,6 +13,7 @@ end-of-turn id, is what the model wrote.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,24 +57,27 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def render_template_prompt(
     profile: Profile, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool
-) -> tuple[list[int], list[int], int]:
-    """Prompt ids through ``profile.chat_template``, the mask of earlier assistant output, and where the
-    generation prompt starts in the ids.
+) -> tuple[list[int], list[int], bool]:
+    """Prompt ids through ``profile.chat_template``, the mask of earlier assistant output, and whether the
+    generation prompt opens reasoning.
 
-    The generation prompt is what ``add_generation_prompt`` adds: the ids after the common prefix of the
-    conversation rendered with it and without it. Only those ids say whether the turn opens reasoning; a
-    ``<think>`` string a user or a tool result wrote earlier is also encoded as the special id.
+    The generation prompt is what ``add_generation_prompt`` adds (``generation_opens_reasoning``). Only it says
+    whether the turn opens reasoning; a ``<think>`` string a user or a tool result wrote earlier is also
+    encoded as the special id.
     """
     assert profile.chat_template is not None
 
-    def ids(msgs: list[dict[str, Any]], gen: bool) -> list[int]:
-        text = render_template_text(
+    def text(msgs: list[dict[str, Any]], gen: bool) -> str:
+        return render_template_text(
             profile.chat_template, msgs, tools, thinking=thinking, add_generation_prompt=gen,
             template_vars={**profile.template_vars, **profile.template_extra(tools)},
         )
-        return profile.encode(text)
 
-    full = ids(messages, True)
+    def ids(msgs: list[dict[str, Any]], gen: bool) -> list[int]:
+        return profile.encode(text(msgs, gen))
+
+    full_text = text(messages, True)
+    full = profile.encode(full_text)
     mask = [0] * len(full)
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
@@ -86,7 +90,23 @@ def render_template_prompt(
         ends = [k for k in range(start, len(through)) if through[k] == profile.eot_id]
         for k in range(start, ends[-1] + 1 if ends else len(through)):
             mask[k] = 1
-    return full, mask, _common_prefix(ids(messages, False), full)
+    return full, mask, generation_opens_reasoning(profile, full_text, text(messages, False))
+
+
+def generation_opens_reasoning(profile: Profile, with_gen: str, without_gen: str) -> bool:
+    """Whether the generation prompt (the text ``with_gen`` has after its common prefix with ``without_gen``)
+    leaves the model inside ``<think>``: its last start after its last end.
+
+    Judged on text, not ids: a special token's string is always its one id, so the same answer comes without
+    encoding the conversation a second time. An occurrence that straddles the prefix's end belongs to the
+    generation prompt (the text without it differs there)."""
+    start = len(os.path.commonprefix([with_gen, without_gen]))
+
+    def last(token: str) -> int:
+        at = with_gen.rfind(token)
+        return at if at >= 0 and at + len(token) > start else -1
+
+    return last(profile.token_text(profile.think_start_id)) > last(profile.think_end_text)
 
 
 def _token_text(value: Any) -> str | None:
