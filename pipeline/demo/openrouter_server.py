@@ -6,7 +6,10 @@ after a delay, for load tests; ``--answer-tokens N``: long answers of about N
 tokens, one of a fixed set picked by the prompt, for benches of the stages
 after generation). Faults are drawn per request from configured
 rates, or forced per prompt with a marker in a message such as
-``[[fault:always-502]]`` (see ``MARKER_FAULTS``).
+``[[fault:always-502]]`` (see ``MARKER_FAULTS``). Requests are validated as
+OpenRouter does (its JSON 400), and with ``--padding`` a provider's error after
+the padding comes inside the 200 body, as OpenRouter's does: it is the only API
+the client's tests meet, so it must be no more lenient or regular than the real one.
 
     python -m pipeline serve-openrouter --port 8089 --model-dir runs/tiny --fault-429 0.1
     python -m pipeline serve-openrouter --port 0 --no-model --delay-ms 50 --answer-tokens 2000
@@ -40,11 +43,15 @@ log = logging.getLogger(__name__)
 PROVIDER_KEYS = frozenset({"order", "only", "ignore", "allow_fallbacks", "require_parameters", "data_collection",
                            "quantizations", "sort", "max_price", "zdr", "enforce_distillable_text",
                            "preferred_min_throughput", "preferred_max_latency"})
-# content-parts: content as a list of text parts; choices-object: choices as an object, not a list;
-# usage-string: completion_tokens as a string; proxy-524: a 524 after the generation was billed.
+# 429/502/503: a provider's error; with padding it comes inside a 200 body (no Retry-After), as OpenRouter's
+# does once the model started processing. content-parts: content as a list of text parts; choices-object:
+# choices as an object, not a list; usage-string: completion_tokens as a string; proxy-524: a 524 after the
+# generation was billed; native-finish: native_finish_reason is the provider's own word (end_turn, STOP, ...);
+# reasoning-details: the reasoning only in reasoning_details (reasoning null); no-usage / no-cost: a success
+# without usage / without usage.cost, as an OpenAI-compatible gateway sends it.
 RANDOM_FAULTS = ("429", "502", "503", "timeout", "200-error", "empty-choices", "native-error",
                  "empty-content", "null-content", "cutoff", "content-parts", "choices-object", "usage-string",
-                 "proxy-524")
+                 "proxy-524", "native-finish", "reasoning-details", "no-usage", "no-cost")
 # Per-prompt markers: a fixed HTTP status every time, "always-<fault>" for a random fault kind every
 # time, echo-key (a 401 whose message repeats the presented key, as a careless gateway might),
 # moderation (a 403 flagging this input, with metadata.reasons and flagged_input, billed nothing), and
@@ -56,6 +63,24 @@ STATUS_TEXT = {400: "Bad Request", 401: "User not found.", 402: "Insufficient cr
                408: "Request timed out", 429: "Rate limit exceeded", 502: "Provider returned error",
                503: "No endpoints found that can handle the request", 524: "Provider timed out",
                529: "Provider overloaded"}
+# The provider's own finish words (native_finish_reason), one vocabulary per provider in turn: Anthropic-like,
+# Google-like, and an engine that says what OpenRouter says.
+NATIVE_FINISH = ({"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"},
+                 {"stop": "STOP", "length": "MAX_TOKENS", "tool_calls": "STOP"},
+                 {"stop": "eos", "length": "length", "tool_calls": "tool_calls"})
+
+# What OpenRouter's request validation takes; anything else is its JSON 400, so a client bug fails here too.
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+REASONING_KEYS = frozenset({"effort", "max_tokens", "exclude", "enabled"})
+EFFORTS = frozenset({"xhigh", "high", "medium", "low", "minimal", "none"})
+SORTS = frozenset({"price", "throughput", "latency"})
+DATA_COLLECTION = frozenset({"allow", "deny"})
+QUANTIZATIONS = frozenset({"int4", "int8", "fp4", "fp6", "fp8", "fp16", "bf16", "fp32", "unknown"})
+MAX_PRICE_KEYS = frozenset({"prompt", "completion", "request", "image"})
+# Sampling parameters and their ranges (inclusive).
+SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_a": (0.0, 1.0), "min_p": (0.0, 1.0),
+                   "frequency_penalty": (-2.0, 2.0), "presence_penalty": (-2.0, 2.0),
+                   "repetition_penalty": (0.0, 2.0)}
 
 
 @dataclass
@@ -69,7 +94,7 @@ class ServerConfig:
     seed: int = 0
     # Faults: probability per request.
     rates: dict[str, float] = field(default_factory=dict)  # RANDOM_FAULTS name -> rate
-    retry_after_s: float = 1.0
+    retry_after_s: float | None = 1.0  # Retry-After of a 429 sent as an HTTP status (None: no header)
     timeout_s: float = 30.0  # how long a "timeout" fault stalls
     miscount_providers: tuple[str, ...] = ()  # bill a third of the real completion tokens
     corrupt_providers: tuple[str, ...] = ()  # leak a prompt-only marker and duplicate reasoning
@@ -79,8 +104,10 @@ class ServerConfig:
     price_factors: tuple[float, ...] = ()  # per provider, in order (empty: 1 + the provider's index)
     bill_log: str | None = None  # append one JSON line per billed generation (the provider's own bill)
     max_generations: int = 100_000  # generation stats kept for GET /generation
-    # Account credit in completion tokens: once the tokens billed reach it, every request gets 402.
+    # Account credit in completion tokens: a request whose max_tokens (absent: max_output_tokens) is more than
+    # what is left gets 402 before anything is generated, as OpenRouter's pre-check of max_tokens x price does.
     credits_tokens: int | None = None
+    max_output_tokens: int = 16_384  # the model's most completion tokens (what an absent max_tokens asks for)
     # Models with an endpoint; a request for any other gets 404 "No endpoints found" (empty: every model).
     known_models: tuple[str, ...] = ()
     # The model's context in tokens: a request whose max_tokens and (estimated) prompt do not fit gets
@@ -107,12 +134,122 @@ def draw_fault(rates: Mapping[str, float], rng: random.Random) -> str | None:
 
 def marker_fault(messages: Sequence[Mapping[str, Any]]) -> str | None:
     for m in messages:
-        content = m.get("content")
+        content = m.get("content") if isinstance(m, Mapping) else None
         if isinstance(content, str):
             found = _MARKER.search(content)
             if found and found.group(1) in MARKER_FAULTS:
                 return found.group(1)
     return None
+
+
+def request_problem(body: Any) -> str | None:
+    """Why OpenRouter's validation would refuse this request body with a 400, or None if it passes.
+
+    Strict on purpose: the stand-in is the only API the client's tests meet, so a request the real API refuses
+    must be refused here too (the error is OpenRouter's JSON 400, never a 500 or a silent default)."""
+    if not isinstance(body, dict):
+        return "Request body must be a JSON object"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "messages: expected a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"messages[{i}]: expected an object with a role"
+        if m.get("role") not in ROLES:
+            return f"messages[{i}].role: expected one of {sorted(ROLES)}, got {m.get('role')!r}"
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            return f"messages[{i}].content: expected a string, a list of content parts or null"
+    if body.get("stream") not in (None, False):
+        return "stream: this endpoint answers non-streaming requests only (stream must be false)"
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens <= 0):
+        return "max_tokens must be a positive integer"
+    for name, (lo, hi) in SAMPLING_RANGES.items():
+        v = body.get(name)
+        if v is not None and not (_is_number(v) and lo <= v <= hi):
+            return f"{name} must be a number from {lo:g} to {hi:g}, got {v!r}"
+    if body.get("top_k") is not None and not (_is_int(body["top_k"]) and body["top_k"] >= 0):
+        return f"top_k must be an integer >= 0, got {body['top_k']!r}"
+    if body.get("seed") is not None and not _is_int(body["seed"]):
+        return f"seed must be an integer, got {body['seed']!r}"
+    if "reasoning" in body:
+        problem = _reasoning_problem(body["reasoning"])
+        if problem:
+            return problem
+    if "provider" in body:
+        return _provider_problem(body["provider"])
+    return None
+
+
+def _reasoning_problem(r: Any) -> str | None:
+    if not isinstance(r, dict):
+        return "reasoning: expected an object"
+    unknown = sorted(set(r) - REASONING_KEYS)
+    if unknown:
+        return f"reasoning: unrecognized keys {unknown}"
+    if "effort" in r and "max_tokens" in r:
+        return "reasoning: set effort or max_tokens, not both"
+    if "effort" in r and r["effort"] not in EFFORTS:
+        return f"reasoning.effort: expected one of {sorted(EFFORTS)}, got {r['effort']!r}"
+    if "max_tokens" in r and not (_is_int(r["max_tokens"]) and r["max_tokens"] >= 0):
+        return f"reasoning.max_tokens must be an integer >= 0, got {r['max_tokens']!r}"
+    for key in ("exclude", "enabled"):
+        if key in r and not isinstance(r[key], bool):
+            return f"reasoning.{key} must be a boolean, got {r[key]!r}"
+    return None
+
+
+def _provider_problem(prefs: Any) -> str | None:
+    if not isinstance(prefs, dict):
+        return "provider: expected an object"
+    unknown = sorted(set(prefs) - PROVIDER_KEYS)
+    if unknown:
+        return f"provider: unrecognized keys {unknown}"
+    for key in ("order", "only", "ignore", "quantizations"):
+        v = prefs.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            return f"provider.{key}: expected a list of strings, got {v!r}"
+    bad = sorted(set(prefs.get("quantizations") or []) - QUANTIZATIONS)
+    if bad:
+        return f"provider.quantizations: unknown values {bad} (expected some of {sorted(QUANTIZATIONS)})"
+    for key in ("allow_fallbacks", "require_parameters", "zdr", "enforce_distillable_text"):
+        if prefs.get(key) is not None and not isinstance(prefs[key], bool):
+            return f"provider.{key} must be a boolean, got {prefs[key]!r}"
+    if prefs.get("sort") is not None and prefs["sort"] not in SORTS:
+        return f"provider.sort: expected one of {sorted(SORTS)}, got {prefs['sort']!r}"
+    if prefs.get("data_collection") is not None and prefs["data_collection"] not in DATA_COLLECTION:
+        return f"provider.data_collection: expected one of {sorted(DATA_COLLECTION)}, got {prefs['data_collection']!r}"
+    cap = prefs.get("max_price")
+    if cap is not None:
+        if not isinstance(cap, dict):
+            return "provider.max_price: expected an object"
+        unknown = sorted(set(cap) - MAX_PRICE_KEYS)
+        if unknown:
+            return f"provider.max_price: unrecognized keys {unknown}"
+        for key, v in cap.items():
+            if _price(v) is None:
+                return f"provider.max_price.{key}: expected a number >= 0 (dollars per million tokens), got {v!r}"
+    return None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _price(v: Any) -> float | None:
+    """A max_price value as OpenRouter takes it (a finite number >= 0, or such a number as a string), else None."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        return None
+    try:
+        f = float(v)
+    except (ValueError, OverflowError):
+        return None
+    return f if math.isfinite(f) and f >= 0 else None
 
 
 def route(providers: Sequence[str], prefs: Mapping[str, Any] | None, rng: random.Random,
@@ -145,11 +282,8 @@ def within_max_price(prefs: Mapping[str, Any], price: tuple[float, float] | None
     if not isinstance(cap, Mapping) or price is None:
         return True
     for key, have in zip(("prompt", "completion"), price, strict=True):
-        try:
-            limit = float(cap[key]) if key in cap else math.inf
-        except (TypeError, ValueError):
-            continue
-        if have > limit * (1 + 1e-9):  # a price given in decimal dollars is not exact in binary
+        limit = _price(cap[key]) if key in cap else math.inf  # request_problem refused any other value
+        if limit is not None and have > limit * (1 + 1e-9):  # a price given in decimal dollars is not exact in binary
             return False
     return True
 
@@ -344,16 +478,28 @@ class CannedBackend:
 
     async def generate(self, body: Mapping[str, Any], thinking: bool) -> Generated:
         await asyncio.sleep(self.delay_s)
-        n_prompt = sum(len(str(m.get("content") or "").split()) for m in body["messages"])
+        n_prompt = self.prompt_tokens(body, thinking)
         limit = int(body.get("max_tokens") or 1 << 30)
         if self.answer_tokens is not None:
             return self.long_answer(answer_variant(body), thinking, limit, n_prompt)
+        n = self.n_reasoning + 1 + self.n_content if thinking else self.n_content
+        if n > limit and self.profile is not None:
+            # Cut where the model would have stopped, then split as a server's parser would: the text sent is
+            # what was billed (a rebuild of it gives back ``limit`` ids), not the whole answer billed short.
+            ids = (self.profile.encode(self.reasoning) + [self.profile.think_end_id] if thinking else []) + \
+                self.profile.encode(self.content) + [self.profile.eot_id]
+            return split_generated(self.profile, ids[:limit], thinking, tools_sent=False, prompt_tokens=n_prompt)
         if thinking:
-            n = self.n_reasoning + 1 + self.n_content
             return Generated(self.reasoning, self.content, None, "stop" if n <= limit else "length", n_prompt,
                              min(n, limit), min(self.n_reasoning, limit))
-        n = self.n_content
         return Generated(None, self.content, None, "stop" if n <= limit else "length", n_prompt, min(n, limit), 0)
+
+    def prompt_tokens(self, body: Mapping[str, Any], thinking: bool) -> int:
+        """Prompt tokens as the model's server counts them: the rendered prompt's ids (a word count without a
+        profile, where no count is exact anyway)."""
+        if self.profile is None:
+            return sum(len(str(m.get("content") or "").split()) for m in body["messages"])
+        return len(self.profile.render_prompt(list(body["messages"]), body.get("tools") or None, thinking).ids)
 
     def long_answer(self, variant: int, thinking: bool, limit: int, n_prompt: int) -> Generated:
         """One long answer, split and counted from its ids as the transformers backend's are (a fresh copy:
@@ -373,7 +519,7 @@ class TransformersBackend:
 
     def __init__(self, model_dir: str, profile_name: str = "deepseek", threads: int = 1) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
         from pipeline.profiles import load_profile
 
@@ -381,6 +527,10 @@ class TransformersBackend:
         self.torch = torch
         self.profile = load_profile(profile_name, model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # transformers fills what a generate call leaves unset from the folder's generation_config.json
+        # (repetition_penalty, min_new_tokens, ...); a provider applies only the sampling it is sent.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.profile.eot_id,
+                                                        pad_token_id=self.profile.eot_id)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
 
     def _generate_ids(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
@@ -497,6 +647,9 @@ class OpenRouterLikeServer:
         return web.json_response({"data": data})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        """One chat completion. Checks OpenRouter makes before any provider is called (key, request, credits,
+        context, routing, moderation) answer with their HTTP status; with padding, headers and whitespace go out
+        next, and from then on a provider's error can only be told inside the 200 body."""
         self._count("requests")
         while self.cfg.hold_file and os.path.exists(self.cfg.hold_file):
             await asyncio.sleep(0.05)
@@ -507,22 +660,20 @@ class OpenRouterLikeServer:
             body = await request.json()
         except ValueError:
             return self._error(400, "Invalid JSON in request body")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
-            return self._error(400, "messages: expected a non-empty list")
+        problem = request_problem(body)
+        if problem:
+            return self._error(400, problem)
         prefs = body.get("provider")
-        if prefs is not None:
-            unknown = sorted(set(prefs) - PROVIDER_KEYS) if isinstance(prefs, dict) else ["<not an object>"]
-            if unknown:
-                return self._error(400, f"provider: unrecognized keys {unknown}")
         max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
-            return self._error(400, "max_tokens must be a positive integer")
         if self.cfg.known_models and body.get("model") not in self.cfg.known_models:
             return self._error(404, f"No endpoints found for {body.get('model')}.")
-
-        if self.cfg.credits_tokens is not None and \
-                self.counts.get("billed_completion_tokens", 0) >= self.cfg.credits_tokens:
-            return self._error(402, STATUS_TEXT[402])
+        if self.cfg.credits_tokens is not None:
+            left = self.cfg.credits_tokens - self.counts.get("billed_completion_tokens", 0)
+            asked = max_tokens if max_tokens is not None else self.cfg.max_output_tokens
+            if asked > left:  # OpenRouter's pre-check: the most this request can cost, against what is left
+                return self._error(402, f"This request requires more credits, or fewer max_tokens. You requested "
+                                   f"up to {asked} tokens, but can only afford {max(left, 0)}. To increase, visit "
+                                   "https://openrouter.ai/settings/credits and add more credits")
         fault = marker_fault(body["messages"])
         if fault and fault.startswith("always-"):
             fault = fault[len("always-"):]
@@ -531,8 +682,7 @@ class OpenRouterLikeServer:
         if fault == "echo-key":
             return self._error(401, f"Invalid credentials: {request.headers.get('Authorization', '')}")
         asked = max_tokens if isinstance(max_tokens, int) else 0
-        text = sum(len(m["content"]) // 4 + 1 for m in body["messages"] if isinstance(m, dict)
-                   and isinstance(m.get("content"), str))
+        text = sum(len(m["content"]) // 4 + 1 for m in body["messages"] if isinstance(m.get("content"), str))
         ctx = self.cfg.context_tokens
         if fault == "context" or (ctx is not None and text + asked > ctx):
             ctx = ctx or text
@@ -543,27 +693,22 @@ class OpenRouterLikeServer:
         if fault in ("400", "401", "402", "403"):
             code = int(fault)
             return self._error(code, STATUS_TEXT[code])
-        if fault == "429":
-            return self._error(429, STATUS_TEXT[429], retry_after=self.cfg.retry_after_s)
         provider = route(self.cfg.providers, prefs, self.rng, self.provider_prices())
-        if provider is None and isinstance(prefs, dict) and route(self.cfg.providers, prefs, self.rng) is not None:
-            return self._error(404, "No allowed providers are available for the selected model.",
-                               extra={"available_providers": list(self.cfg.providers)})  # all over max_price
-        if provider is None or fault == "503":
-            return self._error(503, STATUS_TEXT[503])
-        if fault == "moderation":  # refused before any generation: nothing billed
+        if provider is None:
+            # Routing preferences (only, ignore, order without fallbacks, max_price) that leave no provider: a
+            # request error that waiting will not fix (OpenRouter's 404), not a 503 worth retrying.
+            meta: dict[str, Any] = {"available_providers": list(self.cfg.providers)}
+            requested = (prefs or {}).get("only") or (prefs or {}).get("order")
+            if requested:
+                meta["requested_providers"] = list(requested)
+            return self._error(404, "No allowed providers are available for the selected model.", extra=meta)
+        if fault == "moderation":  # refused before it reaches a provider: nothing billed, never in a 200 body
             flagged = next((m.get("content") for m in body["messages"] if isinstance(m.get("content"), str)), "")
             return self._error(403, f"{self.cfg.model_name} requires moderation on {provider}. "
                                "Your input was flagged for \"violence\"", provider,
                                extra={"reasons": ["violence"], "flagged_input": flagged_excerpt(flagged),
                                       "model_slug": self.cfg.model_name})
-        flaky = self.cfg.flaky_providers.get(provider, 0.0)
-        if fault == "502" or (flaky and self.rng.random() < flaky):
-            return self._error(502, STATUS_TEXT[502], provider=provider, raw="upstream connection reset")
 
-        if fault == "timeout" and not self.cfg.padding:
-            await asyncio.sleep(self.cfg.timeout_s)
-            return self._error(408, STATUS_TEXT[408])
         resp: web.StreamResponse | None = None
         if self.cfg.padding:
             # Headers and padding go out at once; from here on, failures can only be told in the body.
@@ -574,8 +719,18 @@ class OpenRouterLikeServer:
             except ConnectionResetError:
                 self._count("client_gone")
                 return resp
-            if fault == "timeout":
-                await asyncio.sleep(self.cfg.timeout_s)
+        if fault == "429":  # without padding: OpenRouter's own limit, with Retry-After; with it: the provider's
+            return await self._provider_error(resp, 429, provider, "rate limited upstream",
+                                              retry_after=self.cfg.retry_after_s)
+        if fault == "503":
+            return await self._provider_error(resp, 503, provider, "service unavailable")
+        flaky = self.cfg.flaky_providers.get(provider, 0.0)
+        if fault == "502" or (flaky and self.rng.random() < flaky):
+            return await self._provider_error(resp, 502, provider, "upstream connection reset")
+        if fault == "timeout":
+            await asyncio.sleep(self.cfg.timeout_s)
+            if resp is None:
+                return self._error(408, STATUS_TEXT[408])
         thinking, exclude = thinking_requested(body)
         gen = await self.backend.generate(body, thinking)
         payload = self._payload(body, provider, gen, fault, exclude, time.perf_counter() - t0)
@@ -592,6 +747,23 @@ class OpenRouterLikeServer:
             await resp.write_eof()
         except ConnectionResetError:
             self._count("client_gone")  # the client timed out and closed the connection
+        return resp
+
+    async def _provider_error(self, resp: web.StreamResponse | None, code: int, provider: str, raw: str,
+                              retry_after: float | None = None) -> web.StreamResponse:
+        """A provider's error, nothing billed: its HTTP status before any padding, else ``{"error": ...}`` in the
+        200 body that padding already opened (no Retry-After then: the headers are gone). A 429 as a status is
+        OpenRouter's own rate limit (no provider named); the others name the provider and its words."""
+        if resp is None:
+            if code == 429:
+                return self._error(429, STATUS_TEXT[429], retry_after=retry_after)
+            return self._error(code, STATUS_TEXT[code], provider=provider, raw=raw)
+        self._count(f"status_{code}")
+        try:
+            await resp.write(json.dumps(error_body(code, STATUS_TEXT[code], provider, raw)).encode())
+            await resp.write_eof()
+        except ConnectionResetError:
+            self._count("client_gone")
         return resp
 
     def _payload(self, body: Mapping[str, Any], provider: str, gen: Generated, fault: str | None, exclude: bool,
@@ -611,6 +783,9 @@ class OpenRouterLikeServer:
             gen.content = None
         elif fault == "native-error":
             native = "error"
+        elif fault == "native-finish":
+            vocabulary = NATIVE_FINISH[self.cfg.providers.index(provider) % len(NATIVE_FINISH)]
+            native = vocabulary.get(gen.finish_reason, gen.finish_reason)
         cost = (billed * self.cfg.price_per_token + gen.prompt_tokens * self.cfg.prompt_price_per_token) \
             * self.price_factor(provider)
         # What the "provider" billed, including responses the client never reads (killed mid-flight).
@@ -632,6 +807,13 @@ class OpenRouterLikeServer:
             payload["choices"][0]["message"]["content"] = text_parts(gen.content)
         elif fault == "usage-string":
             payload["usage"]["completion_tokens"] = str(billed)
+        elif fault == "reasoning-details":
+            payload["choices"][0]["message"]["reasoning"] = None  # the text stays in reasoning_details
+        elif fault == "no-usage":
+            del payload["usage"]  # billed all the same: the provider's bill, which the answer does not tell
+        elif fault == "no-cost":
+            for key in ("cost", "is_byok", "cost_details"):
+                del payload["usage"][key]
         finish = payload["choices"][0]["finish_reason"] if payload["choices"] else "error"
         if fault == "choices-object":
             payload["choices"] = payload["choices"][0]
@@ -724,13 +906,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
     p.add_argument("--seed", type=int, default=0)
     for kind in RANDOM_FAULTS:
         p.add_argument(f"--fault-{kind}", type=float, default=0.0, help=f"rate of {kind} faults")
-    p.add_argument("--retry-after", type=float, default=1.0)
+    p.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds of a 429 sent as a status")
+    p.add_argument("--no-retry-after", action="store_true", help="429s sent as a status carry no Retry-After")
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--miscount-provider", action="append", default=[])
     p.add_argument("--corrupt-provider", action="append", default=[])
     p.add_argument("--flaky-provider", action="append", default=[], help="NAME=RATE of 502s")
     p.add_argument("--credits", type=int, default=None,
-                   help="account credit in completion tokens; once billed, every request gets 402")
+                   help="account credit in completion tokens: a request whose max_tokens (absent: "
+                        "--max-output-tokens) is more than what is left gets 402")
+    p.add_argument("--max-output-tokens", type=_positive_int, default=16_384,
+                   help="the model's most completion tokens: what a request without max_tokens asks for")
     p.add_argument("--prompt-price", type=float, default=0.0, help="USD per prompt token (usage.cost includes it)")
     p.add_argument("--bill-log", help="append one JSON line per billed generation to this file")
     p.add_argument("--known-models", default="",
@@ -747,9 +933,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
     cfg = ServerConfig(host=a.host, port=a.port, model_name=a.model_name,
                        providers=tuple(x for x in a.providers.split(",") if x), api_key_env=a.api_key_env,
                        padding=a.padding, seed=a.seed, rates={k: v for k, v in rates.items() if v},
-                       retry_after_s=a.retry_after, timeout_s=a.timeout_s,
+                       retry_after_s=None if a.no_retry_after else a.retry_after, timeout_s=a.timeout_s,
                        miscount_providers=tuple(a.miscount_provider), corrupt_providers=tuple(a.corrupt_provider),
-                       flaky_providers=flaky, credits_tokens=a.credits,
+                       flaky_providers=flaky, credits_tokens=a.credits, max_output_tokens=a.max_output_tokens,
                        known_models=tuple(x for x in a.known_models.split(",") if x),
                        prompt_price_per_token=a.prompt_price, bill_log=a.bill_log,
                        hold_file=a.hold_file)

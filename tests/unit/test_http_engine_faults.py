@@ -258,7 +258,8 @@ def test_a_dollar_cap_without_prices_learns_them_and_holds(profile):
     """No prices configured: the first request is a probe holding the rest of the budget; from its bill the
     engine bounds each token price and asks with them. The provider's own bill stays under the cap."""
     cap = 0.2  # a request costs ~$0.007; the learnt bounds ask ~$0.06: a few fit, not all 20
-    with serve_in_thread(ServerConfig(seed=11, prompt_price_per_token=1e-3, price_per_token=1e-4),
+    # prompt tokens billed as the rendered prompt's (10 for these rows)
+    with serve_in_thread(ServerConfig(seed=11, prompt_price_per_token=4e-4, price_per_token=1e-4),
                          CannedBackend(1, profile)) as (url, server):
         ledger = Ledger(budgets_usd={"d": cap})
         out = run(OpenRouterGenerator(cfg_(url), "deepseek", None, ledger), rows_(20))
@@ -307,3 +308,41 @@ def test_prices_below_every_provider_halt_the_source_as_config_and_bill_nothing(
     assert {r["failure_class"] for r in out.values()} == {"config"}
     assert "No allowed providers" in ledger.report()["halted"]
     assert counts.get("billed_cost_nano_usd", 0) == 0 and counts.get("status_404", 0) >= 3
+
+
+def test_provider_errors_inside_a_padded_200_are_retried_and_charge_nothing(profile):
+    """Behind whitespace padding a provider's 429/502/503 can only come as ``{"error"}`` in a 200 body (no
+    Retry-After): retried like the statuses, left to do, and the budget charges only what the providers billed."""
+    rows = rows_(6, markers={1: "always-429", 2: "always-502", 3: "always-503"})
+    with serve_in_thread(ServerConfig(seed=5, padding=16), CannedBackend(1, profile)) as (url, server):
+        ledger = Ledger({"d": 10_000})
+        out = run(OpenRouterGenerator(cfg_(url), "deepseek", None, ledger), rows)
+        counts = dict(server.counts)
+    for i in (1, 2, 3):
+        r = out[f"d:{i}"]
+        assert r["status"] == "not_generated" and r["failure_class"] == "transient" and r["attempts"] == 3, r
+        assert "in_band" in r["error"], r  # told inside the 200 body, not by the status
+    assert Counter(r["status"] for r in out.values()) == {"ok": 3, "not_generated": 3}
+    assert counts["status_429"] == counts["status_502"] == counts["status_503"] == 3, counts
+    d = ledger.report()["datasets"]["d"]
+    assert d["spent"] == counts["billed_completion_tokens"] == sum(r["billed_completion_tokens"] for r in out.values()
+                                                                   if r["status"] == "ok"), d
+
+
+@pytest.mark.parametrize("fault", ["native-finish", "reasoning-details", "no-usage", "no-cost"])
+def test_irregular_successes_are_samples_with_their_reasoning_and_a_safe_bill(profile, fault):
+    """A provider's own finish word, reasoning only in reasoning_details, no usage, no usage.cost: every prompt is
+    a sample whose ids are what the server generated; an unknown bill charges the whole reservation."""
+    rows = [dict(r, thinking=True) for r in rows_(4, markers=dict.fromkeys(range(4), f"always-{fault}"))]
+    with serve_in_thread(ServerConfig(seed=6), CannedBackend(1, profile)) as (url, server):
+        ledger = Ledger({"d": 10_000}, budgets_usd={"d": 10.0})
+        cfg = cfg_(url, prices={"prompt_usd_per_mtok": 1.0, "completion_usd_per_mtok": 10.0})
+        out = run(OpenRouterGenerator(cfg, "deepseek", None, ledger), rows)
+        billed, served = server.counts["billed_completion_tokens"], server.counts.get(f"fault_{fault}", 0)
+    assert Counter(r["status"] for r in out.values()) == {"ok": 4} and served == 4, (served, out)
+    for r in out.values():
+        assert r["reasoning"] and len(r["output_ids"]) == billed // 4 and profile.think_end_id in r["output_ids"], r
+    d = ledger.report()["datasets"]["d"]
+    assert d["spent"] == (4 * 32 if fault == "no-usage" else billed), d  # 32: max_tokens, the reservation
+    for name, st in ledger.report()["providers"].items():  # the text was rebuilt to what was billed
+        assert st["invalid"] == 0 and not st["mean_abs_billing_drift"], (name, st)

@@ -85,13 +85,6 @@ def test_official_sdk_parses_responses_and_generation_stats(hf_backend):
         assert g.data.native_tokens_completion == r.usage.completion_tokens
         assert g.data.native_tokens_reasoning == r.usage.completion_tokens_details.reasoning_tokens
 
-        with pytest.raises(errors.TooManyRequestsResponseError) as e429:
-            client.chat.send(model="tiny", messages=[{"role": "user", "content": "x [[fault:always-429]]"}],
-                             max_tokens=4)
-        assert e429.value.data.error.code == 429
-        with pytest.raises(errors.BadGatewayResponseError):
-            client.chat.send(model="tiny", messages=[{"role": "user", "content": "x [[fault:always-502]]"}],
-                             max_tokens=4)
         with pytest.raises(errors.UnauthorizedResponseError):
             with openrouter.OpenRouter(api_key="wrong", server_url=url, retry_config=no_retry) as bad:
                 bad.chat.send(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4)
@@ -101,6 +94,16 @@ def test_official_sdk_parses_responses_and_generation_stats(hf_backend):
         empty = client.chat.send(model="tiny", max_tokens=4,
                                  messages=[{"role": "user", "content": "x [[fault:always-empty-choices]]"}])
         assert empty.choices == []
+    # a provider's error as an HTTP status: only without padding (after it, the status is already 200)
+    with serve_in_thread(ServerConfig(api_key_env=KEY_ENV), hf_backend) as (url, server), \
+            openrouter.OpenRouter(api_key=KEY, server_url=url, retry_config=no_retry) as client:
+        with pytest.raises(errors.TooManyRequestsResponseError) as e429:
+            client.chat.send(model="tiny", messages=[{"role": "user", "content": "x [[fault:always-429]]"}],
+                             max_tokens=4)
+        assert e429.value.data.error.code == 429
+        with pytest.raises(errors.BadGatewayResponseError):
+            client.chat.send(model="tiny", messages=[{"role": "user", "content": "x [[fault:always-502]]"}],
+                             max_tokens=4)
 
 
 def test_usage_is_counted_by_the_real_tokenizer_and_rebuild_matches(hf_backend):
@@ -168,7 +171,12 @@ def test_fault_shapes_on_the_wire(profile):
         assert status == 401 and KEY in raw.decode()  # the careless gateway the client must redact
         assert post(url, chat("hi"), key="sk-or-v1-wrong")[0] == 401
         assert post(url, chat("hi", provider={"orderr": ["A"]}))[0] == 400  # unknown routing keys rejected
-        assert post(url, chat("hi", provider={"ignore": list(cfg.providers)}))[0] == 503
+        # routing that leaves no provider is a request error (a config's), not a 503 worth retrying
+        status, _, raw = post(url, chat("hi", provider={"ignore": list(cfg.providers)}))
+        assert status == 404 and json.loads(raw)["error"]["message"].startswith("No allowed providers")
+        status, _, raw = post(url, chat("hi", provider={"only": ["Nobody"]}))
+        assert status == 404 and json.loads(raw)["error"]["metadata"]["requested_providers"] == ["Nobody"]
+        assert post(url, chat("hi [[fault:always-503]]"))[0] == 503
 
         body = json.loads(post(url, chat("hi [[fault:always-native-error]]"))[2])
         assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["native_finish_reason"] == "error"
@@ -351,3 +359,211 @@ def test_long_answer_text_fits_its_size_and_default_answer_is_unchanged(profile)
     assert make_backend(None, "deepseek", 1, True, 50).answer_tokens == 50
     with pytest.raises(ValueError):
         CannedBackend(1, None, answer_tokens=10)  # sizing needs the tokenizer
+
+
+def test_provider_errors_after_padding_come_in_a_200_body(profile):
+    """Once padding has gone out the status is 200: a provider's 429/502/503 (and a flaky provider's 502) come as
+    ``{"error": ...}`` in the body, with no Retry-After; checks made before any provider is called (request,
+    credits, routing, moderation) still answer with their status, before any padding."""
+    cfg = ServerConfig(padding=32, retry_after_s=2, flaky_providers={"Beta": 1.0}, providers=("Alpha", "Beta"))
+    with serve_in_thread(cfg, CannedBackend(1, profile)) as (url, server):
+        for code in (429, 502, 503):
+            status, headers, raw = post(url, chat(f"hi [[fault:always-{code}]]", provider={"only": ["Alpha"]}),
+                                        key=None)
+            assert status == 200 and raw[:32].strip() == b"" and "Retry-After" not in headers, (code, headers)
+            err = json.loads(raw)["error"]
+            assert err["code"] == code and err["metadata"]["provider_name"] == "Alpha", err
+            f = interpret(status, raw)
+            assert isinstance(f, Failure) and f.retryable and f.status == code and not f.maybe_billed
+        status, _, raw = post(url, chat("hi", provider={"only": ["Beta"]}), key=None)
+        assert status == 200 and json.loads(raw)["error"]["metadata"]["provider_name"] == "Beta"  # flaky: 502
+        assert server.counts["status_502"] == 2 and server.counts.get("billed_completion_tokens", 0) == 0
+        for marker, code in (("moderation", 403), ("402", 402), ("context", 400)):
+            status, _, raw = post(url, chat(f"hi [[fault:{marker}]]"), key=None)
+            assert status == code and raw[:1] == b"{", marker  # refused before the padding
+        assert post(url, chat("hi", provider={"only": ["Nobody"]}), key=None)[0] == 404
+    # no padding: the statuses themselves; a 429 carries Retry-After unless it is configured away
+    for over, header in (({"retry_after_s": 2}, "2"), ({"retry_after_s": None}, None)):
+        with serve_in_thread(ServerConfig(**over), CannedBackend(1, profile)) as (url, _):
+            status, headers, raw = post(url, chat("hi [[fault:always-429]]"), key=None)
+            assert status == 429 and headers.get("Retry-After") == header and json.loads(raw)["error"]["code"] == 429
+    assert parse_args(["--no-retry-after"])[0].retry_after_s is None
+    assert parse_args(["--retry-after", "3"])[0].retry_after_s == 3
+
+
+def test_credit_check_weighs_max_tokens_against_what_is_left(profile):
+    """OpenRouter refuses (402) a request whose max_tokens could cost more than the credit left, before
+    generating; without max_tokens it assumes the model's most."""
+    cfg = ServerConfig(credits_tokens=100, max_output_tokens=4096)
+    with serve_in_thread(cfg, CannedBackend(1, profile)) as (url, server):
+        status, _, raw = post(url, chat("hi", max_tokens=101), key=None)
+        assert status == 402 and "can only afford 100" in json.loads(raw)["error"]["message"]
+        assert interpret(status, raw).failure_class == "account"
+        body = chat("hi")
+        del body["max_tokens"]
+        status, _, raw = post(url, body, key=None)
+        assert status == 402 and "up to 4096 tokens" in json.loads(raw)["error"]["message"]
+        assert server.counts.get("billed_completion_tokens", 0) == 0 and not server.generations
+        status, _, raw = post(url, chat("hi", max_tokens=100), key=None)  # fits: served and billed
+        assert status == 200
+        left = 100 - server.counts["billed_completion_tokens"]
+        assert post(url, chat("hi", max_tokens=left + 1), key=None)[0] == 402
+        assert post(url, chat("hi", max_tokens=left), key=None)[0] == 200
+    assert parse_args(["--credits", "5", "--max-output-tokens", "64"])[0].max_output_tokens == 64
+
+
+BAD_REQUESTS = [
+    ({"reasoning": {"effort": "high", "max_tokens": 100}}, "not both"),
+    ({"reasoning": {"effrot": "high"}}, "unrecognized keys ['effrot']"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"reasoning": {"enabled": "yes"}}, "reasoning.enabled"),
+    ({"reasoning": "high"}, "reasoning: expected an object"),
+    ({"provider": {"ignore": "Alpha"}}, "provider.ignore"),
+    ({"provider": {"only": "Beta"}}, "provider.only"),
+    ({"provider": {"order": [1]}}, "provider.order"),
+    ({"provider": {"sort": "cheapest"}}, "provider.sort"),
+    ({"provider": {"data_collection": "maybe"}}, "provider.data_collection"),
+    ({"provider": {"quantizations": ["fp9"]}}, "provider.quantizations"),
+    ({"provider": {"allow_fallbacks": "no"}}, "provider.allow_fallbacks"),
+    ({"provider": {"max_price": {"completion": "abc"}}}, "max_price.completion"),
+    ({"provider": {"max_price": {"completion": None}}}, "max_price.completion"),
+    ({"provider": {"max_price": {"completion": -5}}}, "max_price.completion"),
+    ({"provider": {"max_price": {"bogus": 1}}}, "max_price: unrecognized keys"),
+    ({"provider": {"max_price": 3}}, "max_price: expected an object"),
+    ({"temperature": 7}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 3}, "top_p"),
+    ({"temperature": True}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"seed": 1.5}, "seed"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stream": True}, "stream"),
+    ({"messages": ["hello"]}, "messages[0]: expected an object"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": []}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("over", "why"), BAD_REQUESTS)
+def test_requests_the_real_api_refuses_get_its_json_400(profile, over, why):
+    with serve_in_thread(ServerConfig(), CannedBackend(1, profile)) as (url, server):
+        status, headers, raw = post(url, {**chat("hi"), **over}, key=None)
+        assert status == 400 and headers["Content-Type"].startswith("application/json"), raw
+        err = json.loads(raw)["error"]
+        assert err["code"] == 400 and why in err["message"], err
+        assert server.counts.get("billed_completion_tokens", 0) == 0
+        assert interpret(status, raw).failure_class == "sample"
+
+
+def test_the_clients_own_requests_are_valid(profile):
+    """Every request shape the HTTP source builds (reasoning per style and thinking, routing preferences, the
+    max_price of a dollar cap) passes the stand-in's validation and is served."""
+    from pipeline.base.config import SamplingConfig
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+    from pipeline.generate.sources.http.engine import max_price, request_options
+    from pipeline.generate.sources.http.wire import build_request
+
+    sampling = SamplingConfig(temperature=0.6, top_p=0.95, max_tokens=32, seed=3)
+    provider = {"order": ["Alpha", "Beta"], "allow_fallbacks": True, "require_parameters": True,
+                "data_collection": "deny", "quantizations": ["int4", "fp8", "bf16"], "sort": "price",
+                "max_price": {"prompt": 5, "completion": 10.5, "request": 0, "image": 0}}
+    configs = [{}, {"reasoning": {"enabled": True, "effort": "high"}}, {"reasoning": {"max_tokens": 64}},
+               {"reasoning": {"enabled": True, "exclude": True}}, {"reasoning_style": "chat_template_kwargs"},
+               {"reasoning_style": "none"}, {"provider": provider}, {"provider": {"only": ["Gamma"]}}]
+    with serve_in_thread(ServerConfig(), CannedBackend(1, profile)) as (url, server):
+        for over in configs:
+            cfg = OpenRouterSourceConfig.model_validate({"model": "tiny", "base_url": url,
+                                                         "api_key_required": False, **over})
+            opts = request_options(cfg, sampling)
+            for thinking in (True, False):
+                body = build_request([{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "hi"}], None, thinking, opts, excluded=["Beta"])
+                capped = dict(body, provider={**body.get("provider", {}),
+                                              "max_price": max_price((3e-6, 4e-6), (body.get("provider") or {})
+                                                                     .get("max_price"))})
+                for b in (body, capped):
+                    status, _, raw = post(url, b, key=None)
+                    assert status == 200 and isinstance(interpret(status, raw), Reply), (over, thinking, b, raw)
+
+
+def test_a_short_max_tokens_cuts_the_canned_text_to_what_is_billed(profile):
+    """A max_tokens under the canned answer cuts its ids there: the text sent rebuilds to the billed count, and
+    prompt tokens are the rendered prompt's (not a word count)."""
+    backend = CannedBackend(1, profile)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}]
+    with serve_in_thread(ServerConfig(), backend) as (url, _):
+        for thinking in (True, False):
+            rendered = len(profile.render_prompt(messages, None, thinking).ids)
+            for limit in (1, 3, 12, backend.n_reasoning + 3, 200):
+                body = chat("x", messages=messages, max_tokens=limit, reasoning={"enabled": thinking})
+                status, _, raw = post(url, body, key=None)
+                answer = json.loads(raw)
+                usage = answer["usage"]
+                assert status == 200 and usage["prompt_tokens"] == rendered, usage
+                rebuilt = rebuild_from_response(profile, answer, thinking)
+                assert len(rebuilt.ids) == usage["completion_tokens"] == min(limit, usage["completion_tokens"])
+                cut = usage["completion_tokens"] == limit < 200
+                assert answer["choices"][0]["finish_reason"] == ("length" if cut else "stop"), (limit, answer)
+                if thinking:
+                    reasoning_ids = rebuilt.ids.index(profile.think_end_id) if profile.think_end_id in rebuilt.ids \
+                        else len(rebuilt.ids)
+                    assert usage["completion_tokens_details"]["reasoning_tokens"] == reasoning_ids
+
+
+def test_irregular_but_real_answer_shapes(profile):
+    """A provider's own finish word, reasoning only in reasoning_details, no usage, usage without cost: each a
+    billed success, as a provider or an OpenAI-compatible gateway sends it."""
+    cfg = ServerConfig(providers=("Alpha", "Beta", "Gamma"))
+    with serve_in_thread(cfg, CannedBackend(1, profile)) as (url, server):
+        natives = set()
+        for who in cfg.providers:
+            for limit in (64, 3):
+                choice = json.loads(post(url, chat("hi [[fault:always-native-finish]]", max_tokens=limit,
+                                                   provider={"only": [who]}), key=None)[2])["choices"][0]
+                assert choice["finish_reason"] == ("stop" if limit == 64 else "length")
+                natives.add(choice["native_finish_reason"])
+        assert {"end_turn", "max_tokens", "STOP", "MAX_TOKENS"} <= natives
+
+        thinking = {"reasoning": {"enabled": True}, "max_tokens": 64}
+        answer = json.loads(post(url, chat("hi [[fault:always-reasoning-details]]", **thinking), key=None)[2])
+        message = answer["choices"][0]["message"]
+        assert message["reasoning"] is None and message["reasoning_details"][0]["type"] == "reasoning.text"
+        assert message["reasoning_details"][0]["text"] == CannedBackend(1, profile).reasoning
+        r = interpret(200, json.dumps(answer))
+        assert isinstance(r, Reply) and r.completion.reasoning == message["reasoning_details"][0]["text"]
+
+        before = server.counts["billed_completion_tokens"]
+        answer = json.loads(post(url, chat("hi [[fault:always-no-usage]]"), key=None)[2])
+        assert "usage" not in answer and answer["choices"][0]["message"]["content"]
+        assert server.counts["billed_completion_tokens"] > before  # billed all the same
+        r = interpret(200, json.dumps(answer))
+        assert isinstance(r, Reply) and r.billed == -1 and not r.cost_known
+
+        usage = json.loads(post(url, chat("hi [[fault:always-no-cost]]"), key=None)[2])["usage"]
+        assert "cost" not in usage and usage["completion_tokens"] > 0 and usage["prompt_tokens"] > 0
+    assert parse_args(["--fault-no-usage", "0.1", "--fault-native-finish", "0.2"])[0].rates == \
+        {"no-usage": 0.1, "native-finish": 0.2}
+
+
+def test_a_model_folders_generation_config_does_not_leak_into_generation(tiny_target, hf_backend, tmp_path):
+    """transformers fills what ``generate`` is not given from the folder's generation_config.json; a provider
+    applies only the sampling it is sent, so such a file must not change the ids."""
+    import shutil
+
+    p = hf_backend.profile
+    prompts = [p.render_prompt([{"role": "user", "content": f"Prompt {i}"}], None, True).ids for i in range(3)]
+    cases = [(prompt, temperature, seed) for prompt in prompts for temperature, seed in ((0.0, None), (1.0, 7))]
+    honest = [hf_backend._generate_ids(prompt, 12, t, 1.0, seed) for prompt, t, seed in cases]
+    folder = tmp_path / "leaky"
+    shutil.copytree(tiny_target, folder)
+    (folder / "generation_config.json").write_text(json.dumps(  # among them: every honest answer's first token banned
+        {"eos_token_id": p.eot_id, "do_sample": True, "repetition_penalty": 1.5, "no_repeat_ngram_size": 1,
+         "suppress_tokens": sorted({ids[0] for ids in honest if ids})}))
+    leaky = TransformersBackend(str(folder))
+    try:
+        assert [leaky._generate_ids(prompt, 12, t, 1.0, seed) for prompt, t, seed in cases] == honest
+    finally:
+        leaky.close()

@@ -428,3 +428,52 @@ def test_a_key_echoed_where_the_message_is_cut_leaves_no_part_of_it(pad):
     for status, raw in ((401, body), (200, body)):
         f = interpret(status, raw, secrets=(key,))
         assert isinstance(f, Failure) and key[:6] not in f.message, f.message
+
+
+@pytest.mark.parametrize("code", [400, 402, 429, 500, 502, 503, 529])
+def test_an_error_inside_a_200_body_bills_what_its_status_would(code):
+    """Once whitespace padding has gone out, OpenRouter can tell a provider's 429/502/503 only inside a 200 body,
+    with no Retry-After. The same error is then billed as its HTTP status would be (nothing): charging it as a
+    maybe-billed answer kept a whole reservation per rate-limited request and drained the budget."""
+    raw = b"\n" + b" " * 63 + json.dumps({"error": {"code": code, "message": "Provider returned error",
+                                                   "metadata": {"provider_name": "Alpha"}}}).encode()
+    f = interpret(200, raw)
+    assert isinstance(f, Failure) and f.status == code and f.provider == "Alpha" and f.retry_after is None
+    assert not f.maybe_billed and (f.billed, f.cost) == (0, 0.0)
+    assert f.retryable == (code in RETRYABLE_STATUS)
+    status = interpret(code, json.dumps({"error": {"code": code, "message": "Provider returned error"}}))
+    assert (f.retryable, f.failure_class, f.maybe_billed) == (status.retryable, status.failure_class,
+                                                              status.maybe_billed)
+
+
+@pytest.mark.parametrize("error", [{"code": 524, "message": "Provider timed out"},
+                                   {"code": 408, "message": "timeout"}, {"message": "no code"},
+                                   {"code": "x", "message": "odd code"}])
+def test_an_error_inside_a_200_body_without_a_bill_or_a_plain_code_keeps_its_reservation(error):
+    """A proxy timeout (the origin may have finished and billed) or an error that says no status: unknown bill."""
+    f = interpret(200, json.dumps({"error": error}))
+    assert isinstance(f, Failure) and f.retryable and f.maybe_billed
+    billed = interpret(200, json.dumps({"error": error, "usage": {"completion_tokens": 9, "cost": 0.2}}))
+    assert isinstance(billed, Failure) and (billed.billed, billed.cost, billed.maybe_billed) == (9, 0.2, False)
+
+
+def test_reasoning_sent_only_in_reasoning_details_is_read(profile):
+    """Some providers send ``reasoning: null`` with the text in ``reasoning_details`` (reasoning.text parts):
+    the text is the reasoning; summaries and encrypted parts are not the model's tokens and are left out."""
+    details = [{"type": "reasoning.text", "text": "Th", "format": "unknown", "index": 0},
+               {"type": "reasoning.encrypted", "data": "zz", "index": 1},
+               {"type": "reasoning.summary", "summary": "a summary", "index": 2},
+               {"type": "reasoning.text", "text": "ink", "index": 3}]
+    r = interpret(200, json.dumps(with_message(content="Hello", reasoning=None, reasoning_details=details)))
+    assert isinstance(r, Reply) and r.completion == Completion("Think", "Hello", None, "stop", 5)
+    assert completion_from_message({"reasoning_details": details, "content": "x"}, "stop").reasoning == "Think"
+    # reasoning, when sent, wins; details that hold no text, or are not a list of parts, add nothing
+    r = interpret(200, json.dumps(with_message(content="Hello", reasoning="Own", reasoning_details=details)))
+    assert isinstance(r, Reply) and r.completion.reasoning == "Own"
+    for odd in ([{"type": "reasoning.encrypted", "data": "zz"}], "text", [1, {"type": "reasoning.text"}], None):
+        r = interpret(200, json.dumps(with_message(content="Hello", reasoning=None, reasoning_details=odd)))
+        assert isinstance(r, Reply) and r.completion.reasoning is None, odd
+    ids = rebuild_ids(profile, interpret(200, json.dumps(with_message(
+        content="Hello", reasoning=None, reasoning_details=details))).completion, True).ids
+    assert ids[:ids.index(profile.think_end_id)] == profile.encode("Think")
+

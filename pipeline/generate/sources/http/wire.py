@@ -225,18 +225,22 @@ def interpret(status: int, raw: bytes | str, retry_after_header: str | None = No
     billed, cost = _usage(payload.get("usage"))
 
     def fail(message: str, retryable: bool, code: int | None = 200, who: str = provider,
-             klass: FailureClass | None = None, shape: bool = False) -> Failure:
+             klass: FailureClass | None = None, shape: bool = False, unbilled: bool = False) -> Failure:
         return Failure("in_band", _say(message, secrets), retryable, code, retry_after, who, max(billed, 0), cost,
-                       billed < 0, klass, shape)
+                       billed < 0 and not unbilled, klass, shape)
 
     err = payload.get("error")
     if isinstance(err, dict):
+        # The error OpenRouter would have sent as this HTTP status had whitespace padding not opened a 200 already
+        # (a provider's 429/502/503 after padding): billed as that status would be, nothing but a proxy timeout.
         code = _int(err.get("code"))
         who = _error_provider(err) or provider
+        unbilled = code is not None and 400 <= code < 600 and code not in PROXY_TIMEOUT_STATUS
         flagged = _moderation(err) if code == 403 else None
         if flagged:
-            return fail(flagged, False, code, who, "sample")
-        return fail(_with_raw(_text(err.get("message") or err), err), _in_band_retryable(code), code, who)
+            return fail(flagged, False, code, who, "sample", unbilled=unbilled)
+        return fail(_with_raw(_text(err.get("message") or err), err), _in_band_retryable(code), code, who,
+                    unbilled=unbilled)
     choices = payload.get("choices")
     if choices is None or choices == []:
         return fail("response has no choices", True)
@@ -458,8 +462,21 @@ def _read_message(message: Mapping[str, Any], where: str) -> dict[str, Any]:
     if not reasoning:  # "" is no reasoning: a server may send it empty and the text in reasoning_content
         reasoning = _field_text(message.get("reasoning_content"), f"{where}.reasoning_content",
                                 REASONING_PARTS) or reasoning
+    if not reasoning:  # some providers send reasoning null and the text only in reasoning_details
+        reasoning = _details_text(message.get("reasoning_details")) or reasoning
     return {"content": _field_text(message.get("content"), f"{where}.content", TEXT_PARTS),
             "reasoning": reasoning, "tool_calls": _tool_calls(message.get("tool_calls"), f"{where}.tool_calls")}
+
+
+def _details_text(details: Any) -> str | None:
+    """The model's own reasoning text in OpenRouter's ``reasoning_details`` (its ``reasoning.text`` parts, in
+    order), or None. Summaries and encrypted parts are not the tokens it generated, so they are no text to rebuild
+    from; the field is only a fallback, so an odd shape there adds nothing rather than failing the answer."""
+    if not isinstance(details, list):
+        return None
+    texts = [d["text"] for d in details
+             if isinstance(d, dict) and d.get("type") == "reasoning.text" and isinstance(d.get("text"), str)]
+    return "".join(texts) if texts else None
 
 
 def _field_text(v: Any, where: str, part_types: frozenset[str]) -> str | None:
