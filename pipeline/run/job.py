@@ -600,8 +600,8 @@ def stage_deaths_end(batches: Iterable[Any], sources: Sequence[Any]) -> Iterator
         if death is None:
             raise
         label = stage_label(actor_class_of(str(death)) or dead_actor_class(death), sources)
-        raise StageDied(f"{label}: its actor process died on one batch twice (a crash, the OOM killer or a lost "
-                        "node); what was written is kept") from e
+        raise StageDied(f"{label}: its actor process died more often than its restarts allow (a crash, the OOM "
+                        "killer or a lost node); what was written is kept") from e
 
 
 def dead_actor_class(death: BaseException) -> str | None:

@@ -60,11 +60,13 @@ ENGINE_ACTOR_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "fal
 # How often a stage actor whose process died (a segfault, the OOM killer, a lost node) is brought back, and its
 # batches re-run. Ray Data 2.60 defaults both to -1, without end (ActorPoolMapOperator._apply_default_remote_args
 # fills them only when absent), so one batch that kills its process ran the job forever. Here an actor may come
-# back 3 times over its life (chance deaths), a batch is re-run once: a batch that kills its actor twice fails the
-# dataset, and the run ends (``StageDied``, exit 3) with what it wrote kept and the rest left to do. Given to
+# back 4 times over its life: past that it stays dead, its batch fails the dataset, and the run ends
+# (``StageDied``, exit 3) with what it wrote kept and the rest left to do. A task's retries stay unbounded: while a
+# lost node's actor is restarted elsewhere (or waits for a node), every try of its batch fails as "temporarily
+# unavailable", and a bound there ended runs a lost node should only have slowed. Given to
 # every ``map_batches`` of the chain and the run's stage pools as extra remote args, the only form Ray Data 2.60
 # takes them in (it warns that form goes in 2.64, which names no successor yet: revisit on upgrading).
-ACTOR_FAULTS: dict[str, int] = {"max_restarts": 3, "max_task_retries": 1}
+ACTOR_FAULTS: dict[str, int] = {"max_restarts": 4, "max_task_retries": -1}
 
 UNROUTED = "route: no source may serve it"  # the reason's start for a prompt the routing gives no source
 UNROUTED_CLASS = "config"  # its failure_class: the config's fault, left to do (Tally.unrouted reports it)
