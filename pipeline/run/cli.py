@@ -108,10 +108,8 @@ def _run_problem(cfg: RunConfig) -> str | None:
     keys (local Ray), the prompt files, the files a resume reads first and the manifest; one line, or None."""
     from pipeline.base.layout import RunLayout
     from pipeline.base.records import read_rows
-    from pipeline.generate.ledger import read_journal_both
-    from pipeline.generate.sources.registry import spending_sources
     from pipeline.prompts.read import check_prompt_files
-    from pipeline.run.job import check_api_keys, has_finished_rows, output_problem
+    from pipeline.run.job import check_api_keys, check_budget_journals, has_finished_rows, output_problem
     from pipeline.run.manifest import read_manifest
     from pipeline.run.status import manifest_status
 
@@ -124,8 +122,7 @@ def _run_problem(cfg: RunConfig) -> str | None:
         check_prompt_files(cfg)
         if layout.manifest.is_file():
             read_manifest(layout.manifest)
-        for src in spending_sources(cfg.sources):
-            read_journal_both(str(layout.ledger(src.name)))
+        check_budget_journals(cfg, layout)
         for folder in (layout.samples, layout.quarantine):
             read_rows(folder, ["sample_id"])
     except tuple(refusals) as e:

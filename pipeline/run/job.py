@@ -156,7 +156,8 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     counts["resumed_done"] = len(done)
     project_journals(cfg, layout)
 
-    report = run_summary(cfg, layout, tally, counts)
+    current = {d.name: current_ids(d, layout) for d in cfg.datasets}  # the summary's and the recount's rows
+    report = run_summary(cfg, layout, tally, counts, current)
     report["spend"] = {name: ledger_report(ledger) | {"held_by_killed_requests": held[name]}
                        for name, ledger in ledgers.items()}
     report["sources"] = source_report(cfg.sources, tally)
@@ -164,8 +165,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     check_placement(cfg, 0)  # the extraction's nodes (an autoscaler may add them only now)
     report["training"] = extract_and_train(cfg, layout, timings, console)
     # the summary was made before the extraction: its count of passed samples it quarantined is read now
-    report = with_extraction_quarantine(report, extraction_quarantine(
-        layout, {d.name: current_ids(d, layout) for d in cfg.datasets}))
+    report = with_extraction_quarantine(report, extraction_quarantine(layout, current))
     timings.add("total", t_all)
     report["seconds"] = timings.seconds
     ensure_held()
@@ -178,12 +178,14 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     return report
 
 
-def run_summary(cfg: RunConfig, layout: RunLayout, tally: Tally, counts: Counter) -> dict[str, Any]:
+def run_summary(cfg: RunConfig, layout: RunLayout, tally: Tally, counts: Counter,
+                current: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report's figures over the folder (``summarize``), conservation checked over the rows the files give
     now (``current_ids``: their id indexes, just written by the index pass). A row edited, a lowered ``max_rows``
     or a removed dataset between attempts leaves rows of other ids on disk: set aside and reported, not counted,
     else every later resume of the folder failed here."""
-    current = {d.name: current_ids(d, layout) for d in cfg.datasets}
+    if current is None:
+        current = {d.name: current_ids(d, layout) for d in cfg.datasets}
     report = summarize(tally, counts, layout, current, engine_prices(cfg.sources))
     assert_conservation(report["rows_in"], report["passed"], report["quarantined"], report["not_generated"])
     return report
