@@ -153,6 +153,10 @@ class ChecksConfig(Strict):
     truncated: CheckSetting = "flag"
     repetition: CheckSetting = "quarantine"
     max_length: CheckSetting = "quarantine"
+    # Rebuilt ids the API's text and bill do not pin down (a bill a token off fitting two readings, reasoning
+    # hidden with no bill to show it was empty, a filtered answer): they may be a token wrong, so quarantine.
+    # Engine ids are never judged by it.
+    rebuild: CheckSetting = "quarantine"
     repetition_ngram: int = Field(8, gt=0)
     repetition_max_repeats: int = Field(8, gt=0)  # a loop seen once is no repetition
     max_total_tokens: int = Field(32768, gt=0)

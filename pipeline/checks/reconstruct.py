@@ -31,7 +31,8 @@ A provider's bill may be a token off (openrouter.md: mean |diff| 1.0 token), and
 the readings differ by one token (a ``</think>``) or two: where the default is
 within ``BILL_SLACK`` of the bill too, the bill cannot say which the target
 wrote. ``Rebuilt.doubt`` says so, and the validation stage quarantines the
-sample (``check_rebuild``) rather than keep ids that may be a token wrong.
+sample (``check_rebuild``, by default; ``checks.rebuild`` may flag it or skip
+the check) rather than keep ids that may be a token wrong.
 
 An answer ends with the end-of-turn id only when the API says the model ended
 it (``NATURAL_ENDS``); any other finish (``length``, a filter, an abort) cut it.
@@ -67,7 +68,7 @@ class Rebuilt:
     reading: str = "default"  # which reading of the text produced ids (see module docstring)
     billed_delta: int | None = None  # len(ids) - billed completion_tokens, when billed
     reasoning_missing: bool = False  # thinking on, yet the API returned no reasoning to rebuild
-    doubt: str | None = None  # why the text and bill do not pin the ids down (check_rebuild quarantines)
+    doubt: str | None = None  # why the text and bill do not pin the ids down (see check_rebuild)
 
 
 class TextSeg(NamedTuple):
@@ -97,10 +98,13 @@ class Reading:
 def completion_from_message(
     message: dict[str, Any], finish_reason: str | None, usage: dict[str, Any] | None = None
 ) -> Completion:
-    """A Completion from an API ``message``: ``reasoning`` (OpenRouter) or ``reasoning_content`` (vLLM/SGLang)."""
+    """A Completion from an API ``message``: ``reasoning`` (OpenRouter) or ``reasoning_content`` (vLLM/SGLang),
+    else the ``reasoning.text`` parts of OpenRouter's ``reasoning_details`` (the HTTP source's rule)."""
     reasoning = message.get("reasoning")
     if not reasoning:  # "" is no reasoning: a server may send it empty and the text in reasoning_content
         reasoning = message.get("reasoning_content") or reasoning
+    if not reasoning:  # some providers send reasoning null and the text only in reasoning_details
+        reasoning = reasoning_details_text(message.get("reasoning_details")) or reasoning
     calls = message.get("tool_calls") or None
     billed = (usage or {}).get("completion_tokens")
     return Completion(
@@ -110,6 +114,18 @@ def completion_from_message(
         finish_reason=finish_reason or "stop",
         completion_tokens=_billed(billed),
     )
+
+
+def reasoning_details_text(details: Any) -> str | None:
+    """The model's own reasoning text in OpenRouter's ``reasoning_details`` (its ``reasoning.text`` parts, in
+    order), or None. Summaries (``reasoning.summary``) and encrypted parts (``reasoning.encrypted``) are not the
+    tokens it generated, so they are no text to rebuild from; the field is only a fallback, so an odd shape there
+    adds nothing rather than failing the answer. The same rule as the HTTP source's reading of a message."""
+    if not isinstance(details, list):
+        return None
+    texts = [d["text"] for d in details
+             if isinstance(d, dict) and d.get("type") == "reasoning.text" and isinstance(d.get("text"), str)]
+    return "".join(texts) if texts else None
 
 
 def _billed(v: Any) -> int | None:

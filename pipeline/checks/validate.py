@@ -357,13 +357,12 @@ CHECKS: dict[str, Check] = {
     "rebuild": check_rebuild,
 }
 CHECK_NAMES = tuple(CHECKS)
-# Checks ChecksConfig has no field for (yet): their mode is fixed here; a field of the same name wins.
-FIXED_MODES: dict[str, CheckMode] = {"rebuild": "quarantine"}
 
 
 def configured_mode(name: str, cfg: ChecksConfig) -> CheckMode:
-    """A check's mode in ``cfg``, or its fixed mode where ``cfg`` has no field for it."""
-    return getattr(cfg, name, None) or FIXED_MODES[name]
+    """A check's mode in ``cfg`` (every check has a ChecksConfig field of its name; a test holds them equal)."""
+    mode: CheckMode = getattr(cfg, name)
+    return mode
 
 
 def check_mode(name: str, sample: dict[str, Any], cfg: ChecksConfig) -> CheckMode:

@@ -189,6 +189,27 @@ def test_audit_gates_on_billing_by_default(tmp_path: Path) -> None:
     assert main([str(shard), "--checks", str(checks), "--max-failures", "billing=0"]) == 1
 
 
+def test_audit_gates_on_rebuild_by_its_mode(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A row whose rebuilt ids the text and bill do not pin down: the rebuild check's mode is the dataset's, and
+    the gate knows the check like any other (a limit by name, flag-mode detections free without one)."""
+    doubtful = api_sample("d", reasoning=None, diff=-5)  # thinking on, none returned, 5 billed tokens not in ids
+    shard = write_shard(tmp_path / "d.parquet", [api_sample("ok-1"), doubtful])
+    assert main([str(shard)]) == 1
+    assert "gate: FAILED (rebuild: 1 > 0)" in capsys.readouterr().out
+    assert main([str(shard), "--max-failures", "rebuild=1"]) == 0
+    checks = tmp_path / "checks.yaml"
+    checks.write_text("rebuild: flag\n")
+    assert main([str(shard), "--checks", str(checks), "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["checks"]["rebuild"] == {**report["checks"]["rebuild"], "mode": "flag", "failed": 0, "flagged": 1}
+    assert (report["passed"], report["quarantined"], report["flagged"]) == (2, 0, 1)
+    assert main([str(shard), "--checks", str(checks), "--max-failures", "rebuild=0"]) == 1
+    checks.write_text("rebuild: off\n")
+    assert main([str(shard), "--checks", str(checks), "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["checks"]["rebuild"]["checked"] == 0 and report["passed"] == 2
+
+
 def test_tool_samples_audit_clean(tmp_path: Path) -> None:
     from pipeline.profiles.base import tool_call
 

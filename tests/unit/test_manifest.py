@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.base.config import ChecksConfig
 from pipeline.generate.sources.http.config import OpenRouterSourceConfig
 from pipeline.run.manifest import (
     MANIFEST_FILE,
@@ -14,6 +15,7 @@ from pipeline.run.manifest import (
     check_or_write_manifest,
     differences,
     model_fingerprint,
+    run_manifest,
 )
 from tests.helpers.configs import formats_config
 
@@ -74,6 +76,37 @@ def test_scaling_budgets_checks_and_new_sources_may_change(cfg):
     cfg.sources[-1].model = "other/model"
     with pytest.raises(ManifestMismatch, match="sources.api.model: 'm' -> 'other/model'"):
         _resume(cfg)
+
+
+def test_a_folder_made_before_checks_rebuild_existed_resumes_under_every_rebuild_mode(cfg):
+    """``checks.rebuild`` came after some run folders: their config never named it and their manifest never
+    recorded checks. A check's mode does not change what a finished sample holds, so the old manifest matches the
+    new default config (rebuild: quarantine) and any other rebuild mode too."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True)
+    old_checks = {k: v for k, v in cfg.datasets[0].checks.model_dump().items() if k != "rebuild"}
+    for d in cfg.datasets:  # the config as a folder made before the field was read it
+        d.checks = ChecksConfig.model_validate(old_checks)
+    check_or_write_manifest(cfg, out, has_samples=False)
+    old = json.loads((out / MANIFEST_FILE).read_text())
+    assert "checks" not in old and "rebuild" not in json.dumps(sorted(_keys(old)))
+    for mode in ("quarantine", "flag", "off"):
+        for d in cfg.datasets:
+            d.checks = ChecksConfig.model_validate({**old_checks, "rebuild": mode})
+        assert differences(old, run_manifest(cfg)) == []
+        _resume(cfg)
+        assert json.loads((out / MANIFEST_FILE).read_text()) == old
+
+
+def _keys(d):
+    """Every key of a nested manifest."""
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield k
+            yield from _keys(v)
+    elif isinstance(d, list):
+        for v in d:
+            yield from _keys(v)
 
 
 def test_folder_without_samples_takes_the_new_settings(cfg):

@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.checks.reconstruct import (
     completion_from_message,
+    completion_from_response,
     rebuild_from_response,
     rebuild_ids,
     response_text,
@@ -185,6 +186,56 @@ def test_rebuild_from_an_openrouter_body(profile: Profile) -> None:
     assert rebuilt.billed_delta == len(rebuilt.ids) - 3
     assert p.decode(rebuilt.ids) == response_text(p, completion_from_message(body["choices"][0]["message"],
                                                                              "tool_calls"), True)
+
+
+# reasoning_details as OpenRouter sends them (openrouter.md: a list on the message): the model's own text in
+# reasoning.text parts, in order, between a summary and an encrypted part that are no generated text.
+DETAILS = [{"type": "reasoning.text", "text": "Weather ", "signature": None, "format": "unknown", "index": 0},
+           {"type": "reasoning.summary", "summary": "The user wants weather.", "format": "unknown", "index": 1},
+           {"type": "reasoning.encrypted", "data": "gAAAAB...", "format": "unknown", "index": 2},
+           {"type": "reasoning.text", "text": "needed.", "format": "unknown", "index": 3}]
+
+
+def test_reasoning_only_in_reasoning_details_is_rebuilt(profile: Profile) -> None:
+    """``reasoning: null`` with the text in ``reasoning_details``: the audit's offline rebuild reads it as the HTTP
+    source does, so the ids hold the reasoning, match the bill, and raise no "no reasoning returned" doubt."""
+    p = profile
+    own = Completion("Weather needed.", "Sunny.", None, "stop")
+    billed = len(rebuild_ids(p, own, thinking=True).ids)
+    body = {"id": "gen-2", "provider": "X", "choices": [{"finish_reason": "stop", "native_finish_reason": "stop",
+            "message": {"role": "assistant", "content": "Sunny.", "reasoning": None, "reasoning_details": DETAILS,
+                        "refusal": None}}],
+            "usage": {"completion_tokens": billed, "prompt_tokens": 10}}
+    rebuilt = rebuild_from_response(p, body, thinking=True)
+    assert rebuilt.ids == rebuild_ids(p, own, thinking=True).ids
+    assert (rebuilt.billed_delta, rebuilt.reasoning_missing, rebuilt.doubt) == (0, False, None)
+    # an empty reasoning field falls back the same way; a reasoning field of its own wins over the details
+    body["choices"][0]["message"]["reasoning"] = ""
+    assert completion_from_response(body).reasoning == "Weather needed."
+    body["choices"][0]["message"]["reasoning"] = "Own."
+    assert completion_from_response(body).reasoning == "Own."
+
+
+@pytest.mark.parametrize("message", [
+    {"content": "x", "reasoning": None, "reasoning_details": DETAILS},
+    {"content": "x", "reasoning": "", "reasoning_details": DETAILS},
+    {"content": "x", "reasoning_content": "", "reasoning_details": DETAILS},
+    {"content": "x", "reasoning": "", "reasoning_content": "rc", "reasoning_details": DETAILS},
+    {"content": "x", "reasoning": "own", "reasoning_details": DETAILS},
+    {"content": "x", "reasoning": "", "reasoning_details": [{"type": "reasoning.encrypted", "data": "zz"}]},
+    {"content": "x", "reasoning": None, "reasoning_details": [{"type": "reasoning.summary", "summary": "s"}]},
+    {"content": "x", "reasoning": "", "reasoning_details": []},
+    {"content": "x", "reasoning": None, "reasoning_details": "text"},
+    {"content": "x", "reasoning": "", "reasoning_details": [1, {"type": "reasoning.text"}, {"text": "t"}]},
+    {"content": "x", "reasoning": None, "reasoning_details": None},
+    {"content": "x"},
+])
+def test_reasoning_is_read_as_the_http_source_reads_it(message: dict) -> None:
+    """The checks' reading of a message and the HTTP source's agree on where reasoning comes from ("" and None
+    kept apart: an empty string is a reading of its own)."""
+    from pipeline.generate.sources.http.wire import completion_from_message as wire_completion
+
+    assert completion_from_message(message, "stop").reasoning == wire_completion(message, "stop").reasoning
 
 
 def test_oracle_report_counts_canonical_and_exact(profile: Profile) -> None:

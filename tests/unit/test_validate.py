@@ -462,6 +462,41 @@ def test_gate_names_must_be_checks() -> None:
     assert ChecksConfig(max_failures={"billing": 3}).max_failures == {"billing": 3}
     with pytest.raises(ValueError, match="unknown checks"):
         ChecksConfig(max_failures={"biling": 3})
+    assert ChecksConfig(max_failures={"rebuild": 2}).max_failures == {"rebuild": 2}  # every check may be gated
+    with pytest.raises(ValueError, match="unknown checks"):
+        ChecksConfig(max_failures={"roundtrip_rebuilt": 1})  # a mode of roundtrip's, not a check of its own
+
+
+def test_every_check_has_a_mode_in_checks_config() -> None:
+    """Each named check is set per dataset like the others (quarantine | flag | off); ``roundtrip_rebuilt`` is
+    the roundtrip check's mode for rebuilt ids."""
+    from pipeline.base.config import CheckMode
+
+    modes = {n for n, f in ChecksConfig.model_fields.items() if f.annotation == CheckMode}
+    assert modes == set(CHECK_NAMES) | {"roundtrip_rebuilt"}
+    assert ChecksConfig().rebuild == "quarantine"
+    assert ChecksConfig.model_validate({"rebuild": False}).rebuild == "off"  # YAML's unquoted off
+
+
+def _doubtful(sid: str = "doubt-1") -> dict[str, Any]:
+    """Rebuilt ids with thinking on, no reasoning returned and 5 billed tokens the ids do not hold: every other
+    check passes (5 is under the billing thresholds), the rebuild check doubts them."""
+    return api_sample(sid, reasoning=None, diff=-5)
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "flag", "off"])
+def test_the_rebuild_check_follows_its_mode(mode: str) -> None:
+    v = validate_sample(_doubtful(), P, ChecksConfig(rebuild=mode))  # type: ignore[arg-type]
+    others = set(CHECK_NAMES) - {"rebuild"}
+    assert not (set(v.failed) | set(v.flagged)) & others, v
+    if mode == "quarantine":
+        assert "5 billed tokens" in v.failed["rebuild"] and not v.passed
+    elif mode == "flag":  # kept, and counted as flagged
+        assert v.passed and "5 billed tokens" in v.flagged["rebuild"] and "rebuild" in v.ran
+    else:  # skipped
+        assert v.passed and "rebuild" not in v.ran and not v.flagged
+    # engine ids are never judged by it, whatever its mode
+    assert "rebuild" not in validate_sample(engine_sample("e", good_ids()), P, ChecksConfig(rebuild=mode)).ran  # type: ignore[arg-type]
 
 
 # -- another profile ----------------------------------------------------------

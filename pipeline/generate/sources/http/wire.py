@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline.checks.reconstruct import completion_from_message as _shared_completion
+from pipeline.checks.reconstruct import reasoning_details_text
 from pipeline.profiles.base import Completion
 
 # Statuses worth another try: the request was fine, the serving side was not (yet).
@@ -463,20 +464,9 @@ def _read_message(message: Mapping[str, Any], where: str) -> dict[str, Any]:
         reasoning = _field_text(message.get("reasoning_content"), f"{where}.reasoning_content",
                                 REASONING_PARTS) or reasoning
     if not reasoning:  # some providers send reasoning null and the text only in reasoning_details
-        reasoning = _details_text(message.get("reasoning_details")) or reasoning
+        reasoning = reasoning_details_text(message.get("reasoning_details")) or reasoning
     return {"content": _field_text(message.get("content"), f"{where}.content", TEXT_PARTS),
             "reasoning": reasoning, "tool_calls": _tool_calls(message.get("tool_calls"), f"{where}.tool_calls")}
-
-
-def _details_text(details: Any) -> str | None:
-    """The model's own reasoning text in OpenRouter's ``reasoning_details`` (its ``reasoning.text`` parts, in
-    order), or None. Summaries and encrypted parts are not the tokens it generated, so they are no text to rebuild
-    from; the field is only a fallback, so an odd shape there adds nothing rather than failing the answer."""
-    if not isinstance(details, list):
-        return None
-    texts = [d["text"] for d in details
-             if isinstance(d, dict) and d.get("type") == "reasoning.text" and isinstance(d.get("text"), str)]
-    return "".join(texts) if texts else None
 
 
 def _field_text(v: Any, where: str, part_types: frozenset[str]) -> str | None:
