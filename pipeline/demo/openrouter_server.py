@@ -116,6 +116,10 @@ class ServerConfig:
     # While this file exists, every chat request waits (counted in "requests", not yet answered or billed): a
     # provider that stalls, which a test lifts when it is ready (e.g. once a pool has grown onto a new node).
     hold_file: str | None = None
+    # The status of OpenRouter's answer when the routing preferences leave no provider: 404 "No allowed
+    # providers are available for the selected model", or 503 "There is no available model provider that meets
+    # your routing requirements" (its error docs list both).
+    routing_status: int = 404
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -696,11 +700,14 @@ class OpenRouterLikeServer:
         provider = route(self.cfg.providers, prefs, self.rng, self.provider_prices())
         if provider is None:
             # Routing preferences (only, ignore, order without fallbacks, max_price) that leave no provider: a
-            # request error that waiting will not fix (OpenRouter's 404), not a 503 worth retrying.
+            # request error that waiting will not fix (OpenRouter answers 404, or 503 with no provider named).
             meta: dict[str, Any] = {"available_providers": list(self.cfg.providers)}
             requested = (prefs or {}).get("only") or (prefs or {}).get("order")
             if requested:
                 meta["requested_providers"] = list(requested)
+            if self.cfg.routing_status == 503:
+                return self._error(503, "There is no available model provider that meets your routing "
+                                   "requirements.", extra=meta)
             return self._error(404, "No allowed providers are available for the selected model.", extra=meta)
         if fault == "moderation":  # refused before it reaches a provider: nothing billed, never in a 200 body
             flagged = next((m.get("content") for m in body["messages"] if isinstance(m.get("content"), str)), "")
@@ -921,6 +928,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
     p.add_argument("--bill-log", help="append one JSON line per billed generation to this file")
     p.add_argument("--known-models", default="",
                    help="comma-separated models with an endpoint; any other gets 404 (default: every model)")
+    p.add_argument("--routing-status", type=int, choices=(404, 503), default=404,
+                   help="the status when routing preferences leave no provider (OpenRouter sends either)")
     p.add_argument("--hold-file", help="while this file exists, chat requests wait unanswered (a stalled provider)")
     a = p.parse_args(argv)
     if a.answer_tokens is not None and a.model_dir and not a.no_model:
@@ -938,7 +947,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ServerConfig, argparse.Names
                        flaky_providers=flaky, credits_tokens=a.credits, max_output_tokens=a.max_output_tokens,
                        known_models=tuple(x for x in a.known_models.split(",") if x),
                        prompt_price_per_token=a.prompt_price, bill_log=a.bill_log,
-                       hold_file=a.hold_file)
+                       hold_file=a.hold_file, routing_status=a.routing_status)
     return cfg, a
 
 

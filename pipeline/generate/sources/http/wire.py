@@ -140,6 +140,7 @@ class Failure:
     maybe_billed: bool = False
     klass: FailureClass | None = None
     shape: bool = False
+    routing: bool = False  # OpenRouter's own "no provider meets the routing" 503 (``routing_refusal``)
 
     @property
     def failure_class(self) -> FailureClass:
@@ -159,7 +160,7 @@ class Failure:
         prompt, so a run of identical ones can be told from prompts that are each wrong in their own way.
         """
         s = self.status
-        if self.shape and self.failure_class == "sample":  # an endpoint that answers every prompt so: the config's
+        if (self.shape and self.failure_class == "sample") or self.routing:  # every prompt so: the config's
             return f"{s or 200} {_normalise(self.message)}"
         if s is None or not 400 <= s < 500 or s in RETRYABLE_STATUS or s in ACCOUNT_STATUS:
             return None
@@ -300,12 +301,30 @@ def _http_failure(status: int, payload: Any, raw: bytes | str, retry_after: floa
     else:
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
         message, provider = text.strip() or "no body", ""
+    if status == 503 and not provider and routing_refusal(message):
+        # OpenRouter itself (no provider named) finds no provider its routing allows (provider.only or ignore,
+        # order without fallbacks, max_price, a data policy): waiting does not fix it. Judged like a 4xx: the
+        # same answer on several prompts halts the source as config, one prompt's alone quarantines it.
+        return Failure("http", _say(message, secrets), False, status, retry_after, provider, klass="sample",
+                       routing=True)
     # Only a client error (4xx) can be the prompt's or the config's; any other status (a redirect, a 204, a
     # proxy's own code) says nothing about them.
     retryable = status in RETRYABLE_STATUS or (status >= 500 and status not in FATAL_STATUS) or \
         not 400 <= status < 600
     return Failure("http", _say(message, secrets), retryable, status, retry_after, provider,
                    maybe_billed=status in PROXY_TIMEOUT_STATUS)
+
+
+# OpenRouter's words when routing leaves no provider: "No allowed providers are available for the selected model",
+# "There is no available model provider that meets your routing requirements", "No endpoints found matching your
+# data policy". Read with the missing provider name: a provider's own 503 names the provider.
+_ROUTING_REFUSAL = re.compile(r"no (allowed )?providers? (is |are )?available|no available (model )?provider"
+                              r"|no endpoints found|routing requirements", re.I)
+
+
+def routing_refusal(message: str) -> bool:
+    """Whether a 503's message says OpenRouter's routing left no provider (see ``_ROUTING_REFUSAL``)."""
+    return bool(_ROUTING_REFUSAL.search(message))
 
 
 def _with_raw(message: str, err: Mapping[str, Any]) -> str:
