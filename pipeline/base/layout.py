@@ -141,6 +141,12 @@ class RunLayout:
         (pipeline.prompts.id_index)."""
         return self.root / "prompts" / f"{file_part(dataset)}.ids.parquet"
 
+    @property
+    def engine_deaths(self) -> Path:
+        """Notes of the batches each engine source is serving, and of prompts its process died on alone
+        (pipeline.generate.sources.engines.deaths)."""
+        return self.root / "engine_deaths"
+
     def response_journal(self, source: str, actor: str) -> Path:
         """The response journal of one HTTP source actor (one writer per file; see
         pipeline.generate.sources.http.journal)."""

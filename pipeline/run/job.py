@@ -112,6 +112,7 @@ def run_logs(layout: RunLayout, console: Console) -> AbstractContextManager[Any]
 def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     from pipeline.base.logs import adopt_transformers_logging
     from pipeline.generate.sources.chain import wait_for_retired_engines
+    from pipeline.generate.sources.engines.deaths import clear_batch_notes
     from pipeline.hidden.extract import HiddenStateExtractor
 
     timings = Timings()
@@ -126,6 +127,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     check_api_keys(cfg)
     check_budget_journals(cfg, layout)
     check_prompt_files(cfg)  # a dataset file or a shard that cannot be read stops the run here, before Ray
+    clear_batch_notes(layout)  # no engine of an earlier run is alive: its notes hold no death of a prompt
     done = finished_ids(layout)
     t0 = time.perf_counter()
     init_ray(cfg)

@@ -307,8 +307,9 @@ def map_source(ds: Any, src: Any, *, model_dir: str, profile: str, sampling: Sam
     batch = chain_batch_size(src.batch_size, router.weights.get(src.name, 0.0) / total)
     min_actors = src.num_actors
     max_actors = max(src.max_actors or 0, min_actors)
+    # A spending source journals into the run folder; an engine notes there the batch in its engine's hands.
     kwargs = {"ledger": ledger, "layout": layout, "replay": dict(replay) if replay else None} \
-        if kind.spends else {}
+        if kind.spends else {"layout": layout}
     if kind.layout == "async_http":
         compute = ray.data.ActorPoolStrategy(min_size=min_actors, max_size=max_actors,
                                              max_concurrent_calls_per_actor=src.max_concurrent_batches)

@@ -10,7 +10,8 @@ rest of the pipeline asks about it:
 - ``spends``: it bills per token, so it gets a budget ledger and a line in
   ``status``'s spend table; its actor class takes the keywords ``ledger`` (the
   shared ledger actor), ``layout`` (the run folder's ``RunLayout``, for its response journal) and ``replay``
-  (responses an earlier attempt paid for).
+  (responses an earlier attempt paid for). Any other kind's actor class takes ``layout`` alone, for the notes
+  that find a prompt killing its process (``engines/deaths.py``).
 - ``manifest``: the config fields that decide what its samples hold (its own model,
   provider preferences, reasoning, sampling, tools); recorded in the run manifest
   so a resume cannot mix distributions. Transport (URLs, timeouts) stays out.

@@ -42,8 +42,10 @@ import pyarrow as pa
 
 from pipeline.base.config import SamplingConfig
 from pipeline.base.flight import NextSource, batch_to_rows, fail_row, leave_to_do, rows_to_table, served, serves
+from pipeline.base.layout import RunLayout
 from pipeline.checks.reconstruct import cut_off
 from pipeline.generate.sources.engines.config import EngineSourceConfig
+from pipeline.generate.sources.engines.deaths import DeathNotes, alone_order, killer_reason
 from pipeline.generate.sources.http.wire import redact
 from pipeline.profiles import load_profile
 
@@ -123,8 +125,12 @@ class EngineSource:
     kind = "engine"
 
     def __init__(self, model_dir: str, profile: str, sampling: SamplingConfig | Mapping[str, Any],
-                 cfg: EngineSourceConfig, router: NextSource | None = None) -> None:
+                 cfg: EngineSourceConfig, router: NextSource | None = None, layout: RunLayout | None = None) -> None:
         self.sampling = as_sampling(sampling)
+        # Notes of the batch in the engine's hands, in the run folder: a prompt that kills the process is found
+        # (deaths.py). None outside a run (tests, benches that call the engine directly).
+        self.deaths = DeathNotes(layout, cfg.name) if layout is not None else None
+        self.engine_served = False  # whether this process's engine has served a prompt (deaths.py: the proof)
         self.cfg = cfg
         self.source_name = cfg.name
         self.router = router
@@ -192,8 +198,28 @@ class EngineSource:
                 continue
             todo.append(r)
         if todo:
-            self._serve(todo)
+            self._serve(todo) if self.deaths is None else self._serve_noted(todo, self.deaths)
         return rows_to_table(rows)
+
+    def _serve_noted(self, rows: list[dict[str, Any]], notes: DeathNotes) -> None:
+        """``_serve`` with the batch noted in the run folder while the engine has it (see ``deaths``): after a
+        death on the batch its rows go one at a time, and a prompt found to kill the process fails unsent, as its
+        own fault."""
+        ids = [r["sample_id"] for r in rows]
+        died = notes.arrive(ids)
+        suspects = notes.suspects(ids)
+        todo = []
+        for r in rows:
+            if r["sample_id"] in suspects and notes.is_killer(r["sample_id"]):
+                fail_row(r, killer_reason(suspects[r["sample_id"]]), self.source_name, self.router)
+                self._sample_failure(r)
+            else:
+                todo.append(r)
+        for part in [todo] if not died else [[r] for r in alone_order(todo, suspects, lambda r: r["sample_id"])]:
+            notes.serving(ids, part[0]["sample_id"] if died else None, after_served=self.engine_served)
+            self._serve(part)
+            self.engine_served = self.engine_served or any(r["status"] == "ok" for r in part)
+        notes.done(ids)
 
     def _serve(self, rows: list[dict[str, Any]]) -> None:
         if self.halted is not None:
@@ -220,12 +246,31 @@ class EngineSource:
         for r in rows:  # a whole batch failed: nothing says it was these prompts, so they may pass on a re-run
             self._leave(r, why)
 
+    def engine_dead(self, error: BaseException) -> bool:
+        """Whether ``error`` says the engine's own process is gone (not that a request failed). In a run the
+        actor then exits (``_exit_dead``): Ray starts a fresh process and engine, and the batch's notes find a
+        prompt that kills engines (``deaths``), as for a crash of the actor's own process."""
+        return False
+
+    def _exit_dead(self, error: BaseException) -> None:
+        log.error("source %r (%s): its engine died (%s); this process exits so that Ray restarts it with a fresh "
+                  "engine and serves the batch again", self.source_name, self.kind, start_error_text(error))
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - the engine is gone already; its processes exit with their parent
+            log.debug("source %r: shutdown of a dead engine failed", self.source_name, exc_info=True)
+        logging.shutdown()
+        os._exit(1)
+
     def _attempt(self, rows: list[dict[str, Any]]) -> Exception | None:
-        """Generate ``rows`` in one engine call and fill them; the exception instead, the rows untouched."""
+        """Generate ``rows`` in one engine call and fill them; the exception instead, the rows untouched. An
+        engine found dead in a run ends the process (``engine_dead``)."""
         t0 = time.perf_counter()
         try:
             results = self.generate_rows(rows)
         except Exception as e:  # noqa: BLE001 - whatever the engine raised decides the rows' fate in _serve
+            if self.deaths is not None and self.engine_dead(e):
+                self._exit_dead(e)
             return e
         busy = time.perf_counter() - t0
         shares = busy_shares(busy * self.cfg.devices(), [len(r["prompt_ids"]) for r in rows],

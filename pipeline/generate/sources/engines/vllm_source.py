@@ -20,6 +20,7 @@ from typing import Any
 
 from pipeline.base.config import SamplingConfig
 from pipeline.base.flight import NextSource
+from pipeline.base.layout import RunLayout
 from pipeline.generate.sources.engines.base import EngineResult, EngineSource, request_seed
 from pipeline.generate.sources.engines.config import VLLMSourceConfig
 
@@ -43,10 +44,11 @@ class VLLMGenerator(EngineSource):
     cfg: VLLMSourceConfig
 
     def __init__(self, model_dir: str, profile: str, sampling: SamplingConfig | Mapping[str, Any],
-                 cfg: VLLMSourceConfig, router: NextSource | None = None, llm: Any | None = None) -> None:
+                 cfg: VLLMSourceConfig, router: NextSource | None = None, llm: Any | None = None,
+                 layout: RunLayout | None = None) -> None:
         self.llm = llm
         self.owns_engine = llm is None  # an engine handed in belongs to the caller
-        super().__init__(model_dir, profile, sampling, cfg, router)
+        super().__init__(model_dir, profile, sampling, cfg, router, layout)
 
     def start(self, model_dir: str) -> None:
         if self.llm is None:
@@ -56,6 +58,14 @@ class VLLMGenerator(EngineSource):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None and getattr(self, "owns_engine", False):
             stop_vllm(llm)
+
+    def engine_dead(self, error: BaseException) -> bool:
+        """vLLM's engine core (its own process) died: every later request fails the same way."""
+        try:
+            from vllm.v1.engine.exceptions import EngineDeadError
+        except ImportError:
+            return False
+        return isinstance(error, EngineDeadError)
 
     def _params(self, sample_id: str, prompt_len: int) -> Any:
         from vllm import SamplingParams
