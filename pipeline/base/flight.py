@@ -6,9 +6,10 @@ A row is a sample (``records.SAMPLE_SCHEMA``) plus where it stands: ``status``
 facts rather than text to parse: ``spilled_from`` (the local source that handed
 the prompt to an overflow source past the deadline), ``start_error_source`` and ``start_error``
 (an engine that failed to start and why, set on the rows it could not serve),
-``attempts`` (requests an HTTP source made for the row) and ``failure_class``
+``attempts`` (requests an HTTP source made for the row in this attempt: 0 for a
+response it replayed from its journal, see ``replayed``) and ``failure_class``
 (why a row is left to do or quarantined: ``transient``, ``sample``, ``account``,
-``budget``, ``config``, ``engine``). A row never
+``budget``, ``config``, ``engine``, ``journal``). A row never
 disappears: a stage that cannot handle it marks it and passes it on.
 """
 
@@ -34,7 +35,8 @@ FLIGHT_SCHEMA = pa.schema([
     pa.field("start_error_source", pa.string()),
     pa.field("start_error", pa.string()),
     pa.field("attempts", pa.int32()),
-    pa.field("failure_class", pa.string()),  # why not ok: transient | sample | account | budget | config | engine
+    # why not ok: transient | sample | account | budget | config | engine | journal
+    pa.field("failure_class", pa.string()),
     # what the source's rebuild from text could not pin down ("" none; null: not rebuilt here, so the rebuild
     # check runs it again): carried so validation does not tokenize every answer a second time
     pa.field("rebuild_doubt", pa.string()),
@@ -111,6 +113,13 @@ def output_len(row: dict[str, Any]) -> int | None:
     if "output_ids" in row:
         return None if row["output_ids"] is None else len(row["output_ids"])
     return row.get("output_tokens")
+
+
+def replayed(row: dict[str, Any]) -> bool:
+    """Whether a sample or tally row holds a response an API source replayed from its journal (paid for in an
+    earlier attempt) rather than generated now: ids rebuilt from an API's text, with no request sent for it
+    in this attempt (``attempts`` 0; a generated one took one at least, a local engine's rows carry none)."""
+    return row.get("ids_from") == "rebuilt" and row.get("attempts") == 0 and output_len(row) is not None
 
 
 def mark(row: dict[str, Any], status: Status, stage: str, reason: str) -> dict[str, Any]:

@@ -522,6 +522,10 @@ def _cell(v: Any) -> str:
 
 def _cards(report: dict[str, Any]) -> str:
     t = report.get("throughput") or {}
+    attempt = report.get("this_attempt")
+    again = attempt.get("replayed") if isinstance(attempt, dict) else None
+    replayed = again.get("samples") if isinstance(again, dict) else None  # counted in no rate
+    replayed = replayed if isinstance(replayed, int) and not isinstance(replayed, bool) else None
     h = (report.get("training") or {}).get("heldout") or {}
     m = (report.get("training") or {}).get("metrics") or {}
     from pipeline.report.summary import ledger_datasets, ledger_usd
@@ -535,6 +539,7 @@ def _cards(report: dict[str, Any]) -> str:
         ("tokens generated (in passed samples)", report.get("tokens_generated")),
         *([("API spend (ledger total, all attempts)", f"${spend:.4f}")] if ledgers else []),
         ("generated rows/s (this attempt)", t.get("samples_per_s")), ("tokens/s", t.get("tokens_per_s")),
+        *([("replayed from the journal (this attempt, paid before)", replayed)] if replayed else []),
         ("drafter steps", m.get("step")),
         ("held-out acceptance length", h.get("acceptance_length")),
         ("served acceptance length", ((report.get("training") or {}).get("served") or {}).get("acceptance_length")),

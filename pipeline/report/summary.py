@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from pipeline.base.config import ChecksConfig, DatasetConfig
 from pipeline.base.console import GenerateSnapshot
-from pipeline.base.flight import output_len
+from pipeline.base.flight import output_len, replayed
 from pipeline.base.layout import RunLayout
 from pipeline.base.records import count_values, read_rows, read_sample_table
 from pipeline.checks.audit import AuditAccumulator, summary_lines
@@ -50,6 +50,10 @@ def audit_for(datasets: list[DatasetConfig]) -> AuditAccumulator:
 class Tally:
     """Folds per-sample summaries as they stream out of the pipeline: counts, audit figures, spend.
 
+    A response an API source replayed from its journal (``flight.replayed``: paid for in an earlier attempt) is
+    a done row like any other, but counted apart (``replayed``), not in what this attempt generated (``served``,
+    ``tokens``, ``cost``): the attempt's throughput and dollars are its own work only.
+
     ``progress`` keeps ``snapshot``, the figures the console's generation line shows (pipeline.base.console; read
     from its ticker thread, so it is replaced whole, never changed in place).
     """
@@ -65,7 +69,11 @@ class Tally:
         self.snapshot = GenerateSnapshot(0, total, 0, 0, 0, 0, 0.0, 0.0, estimated)
         self.start_errors: dict[str, str] = {}  # source -> why its engine did not start
         self.engine_errors: dict[str, str] = {}  # source -> why its engine left prompts to do (the first reason)
+        self.journal_errors: dict[str, str] = {}  # source -> a journaled response it could not read (the first)
         self.served: Counter = Counter()  # source -> samples it generated (this attempt)
+        self.replayed: Counter = Counter()  # source -> samples it replayed from its journal (paid for before)
+        self.replayed_tokens = 0
+        self.replayed_cost = 0.0
         self.spilled: Counter = Counter()  # local source -> its prompts an overflow source took past the deadline
         self.left: Counter = Counter()  # (source, why) -> prompts left not generated (a re-run does them)
         self.requests: Counter = Counter()  # source -> requests sent for the rows (HTTP sources; retries included)
@@ -81,7 +89,13 @@ class Tally:
     def add(self, row: dict[str, Any]) -> None:
         self.status[row["status"]] += 1
         generated = output_len(row)
-        if generated is not None:
+        again = replayed(row)
+        if again:
+            self.replayed[row.get("source") or ""] += 1
+            self.replayed_tokens += generated or 0
+            self.replayed_cost += row.get("cost") or 0.0
+            generated = None
+        elif generated is not None:
             self.served[row.get("source") or ""] += 1
         if row.get("spilled_from"):
             self.spilled[row["spilled_from"]] += 1
@@ -92,10 +106,12 @@ class Tally:
             self.left[(row.get("source") or "", row.get("failure_class") or "transient")] += 1
             if row.get("failure_class") == "engine":
                 self.engine_errors.setdefault(row.get("source") or "", row.get("reason") or "")
+            if row.get("failure_class") == "journal":
+                self.journal_errors.setdefault(row.get("source") or "", row.get("reason") or "")
             if row.get("failure_class") == "config" and not row.get("source"):  # chain.assign_sources: no source
                 self.unrouted[row.get("reason") or ""] += 1
         self.tokens += generated or 0
-        self.cost += row.get("cost") or 0.0
+        self.cost += 0.0 if again else row.get("cost") or 0.0
         if row.get("checks_ran"):
             details = json.loads(row["check_details"] or "{}")
             verdict = Verdict(failed={k: details.get(k, "") for k in row["checks_failed"]},
@@ -213,12 +229,14 @@ def summarize(tally: Tally, counts: Counter, layout: RunLayout, current: Mapping
         "flagged": count_values(pc.list_flatten(samples.column("checks_flagged"))),
         "tokens_generated": int(pc.sum(pc.list_value_length(samples.column("output_ids"))).as_py() or 0),
         "duplicates_in_shards": dropped,  # extra copies in samples/, each counted (and trained on) once
-        # rows this attempt wrote; its tokens and dollars are those in its rows, which include responses an
-        # earlier, killed attempt paid for and this one replayed from the response journal
+        # rows this attempt wrote; its tokens and dollars are those it generated, the responses an earlier,
+        # killed attempt paid for and this one replayed from the response journal counted apart
         "this_attempt": {"samples": tally.done, "generated": sum(tally.served.values()),
                          "resumed_done": counts["resumed_done"],
                          "duplicates_skipped": tally.duplicates,
-                         "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6)},
+                         "status": dict(tally.status), "tokens": tally.tokens, "cost_usd": round(tally.cost, 6),
+                         "replayed": {"samples": sum(tally.replayed.values()), "tokens": tally.replayed_tokens,
+                                      "cost_usd": round(tally.replayed_cost, 6)}},
         "audit": tally.audit.report(),
         "costs": cost_table_of(samples, prices or {}),  # every sample written, resumed attempts included
         "by_dataset": {d: {"rows": n, "passed": acc.passed.get(d, 0), "quarantined": len(acc.held.get(d, {}))}
@@ -244,8 +262,8 @@ def extraction_quarantine(layout: RunLayout, current: Mapping[str, pa.Array]) ->
 def throughput(tally: Tally, gen_s: float) -> dict[str, Any]:
     """This attempt's rates over its generation time: rows generated (not the ``not_generated`` ones, which a
     spent budget or a halted source ends at once, thousands a second) and their tokens, with the snapshots
-    report.html draws. Rows replayed from an earlier attempt's response journal are in both (the rows do not
-    say which)."""
+    report.html draws. Rows replayed from an earlier attempt's response journal are in neither (generated
+    then, read back now in no time); ``this_attempt.replayed`` counts them."""
     return {"samples_per_s": round(sum(tally.served.values()) / gen_s, 2) if gen_s else None,
             "tokens_per_s": round(tally.tokens / gen_s, 1) if gen_s else None,
             "series": tally.series}
@@ -254,11 +272,18 @@ def throughput(tally: Tally, gen_s: float) -> dict[str, Any]:
 def source_report(sources: list[Any], tally: Tally) -> dict[str, dict[str, Any]]:
     """Per configured source, this attempt: samples it generated, prompts it spilled past the overflow
     deadline, prompts it left to do (by why), when its engine failed to start, why, and when its engine left
-    prompts to do, the first reason."""
+    prompts to do, the first reason; where there are any, samples it replayed from its journal and the first
+    journaled response it could not read back."""
     out = {s.name: {"kind": s.kind, "served": tally.served[s.name], "spilled": tally.spilled[s.name],
                     "left_to_do": {why: n for (name, why), n in sorted(tally.left.items()) if name == s.name},
                     "start_error": tally.start_errors.get(s.name),
                     "engine_error": tally.engine_errors.get(s.name)} for s in sources}
+    for name, n in tally.replayed.items():
+        if name in out and n:
+            out[name]["replayed"] = n
+    for name, why in tally.journal_errors.items():
+        if name in out:
+            out[name]["journal_error"] = why
     for name, n in tally.requests.items():
         if name in out:  # requests per row, as the rows report them (the ledger counts sent/settled/released)
             out[name] |= {"requests": n, "retried": n - tally.asked[name]}
@@ -319,8 +344,8 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         this_attempt_line(r.get("this_attempt") or {}),
         *ledger_total_lines(r.get("spend") or {}),
         *cost_lines(r.get("costs")),
-        f"  throughput   { {k: v for k, v in r['throughput'].items() if k != 'series'} } (generated rows of this "
-        "attempt over its generation time)",
+        f"  throughput   { {k: v for k, v in r['throughput'].items() if k != 'series'} } (rows generated in this "
+        "attempt over its generation time; those replayed from the journal are not)",
         f"  seconds      {r['seconds']}",
     ]
     if r["audit"]["samples"]:
@@ -328,7 +353,8 @@ def format_report(r: dict[str, Any], out: Path) -> str:
         lines += [f"    {line}" for line in summary_lines(r["audit"])]
     for name, src in (r.get("sources") or {}).items():
         spilled = f", {src['spilled']} spilled past the overflow deadline" if src.get("spilled") else ""
-        lines.append(f"  source {name} ({src['kind']}) generated {src.get('served', 0)}{spilled}")
+        again = f", {src['replayed']} replayed from the journal" if src.get("replayed") else ""
+        lines.append(f"  source {name} ({src['kind']}) generated {src.get('served', 0)}{again}{spilled}")
         if src.get("start_error"):
             lines.append(f"  source {name} failed to start (its prompts handed on or left to do): "
                          f"{src['start_error'][:200]}")
@@ -399,12 +425,19 @@ def ledger_usd(x: Mapping[str, Any]) -> float:
 
 
 def this_attempt_line(t: Mapping[str, Any]) -> str:
-    """This attempt's rows: how many it generated, their tokens, and the dollars billed in them. A response an
-    earlier, killed attempt paid for and this one replayed from the journal is in these rows too (the rows do
-    not say which), so the dollars are an upper bound on what this attempt paid."""
+    """This attempt's rows: how many it generated, their tokens and the dollars billed in them; then, apart,
+    the responses an earlier, killed attempt paid for and this one replayed from the journal (a report from
+    before they were counted apart says nothing of them)."""
     generated = f"{t['generated']} rows generated, " if "generated" in t else ""
-    return (f"  this attempt {generated}{t.get('tokens', 0)} tokens, {_usd(t.get('cost_usd', 0.0))} billed in its "
-            "rows (responses replayed from an earlier attempt's journal included)")
+    line = f"  this attempt {generated}{t.get('tokens', 0)} tokens, {_usd(t.get('cost_usd', 0.0))} billed in its rows"
+    again = t.get("replayed")
+    if isinstance(again, Mapping):
+        n = again.get("samples") or 0
+        line += f"; replayed from the journal: {n}"
+        if n:
+            line += (f" rows, {again.get('tokens', 0)} tokens, {_usd(again.get('cost_usd', 0.0))} (billed in an "
+                     "earlier attempt)")
+    return line
 
 
 def ledger_total_lines(spend: Mapping[str, Any]) -> list[str]:
@@ -480,4 +513,7 @@ def attention_lines(r: dict[str, Any]) -> list[str]:
         if left.get("budget"):
             out.append(f"  ! source {name}: budget spent or held — {left['budget']} prompts not generated; raise "
                        "the budget (or wait for in-flight requests) and re-run to do them")
+        if left.get("journal"):
+            out.append(f"  ! source {name}: {left['journal']} prompts left to do, the responses journaled (and paid "
+                       f"for) for them unreadable — first: {(src.get('journal_error') or '?')[:500]}")
     return out

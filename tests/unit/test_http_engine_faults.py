@@ -237,6 +237,37 @@ def test_a_new_actor_replays_what_another_actor_of_the_folder_was_billed_for(pro
         assert again[sid]["output_ids"] == r["output_ids"]
 
 
+# content: the rebuild failed, so the prompt was asked (and paid for) again without a word; finish_reason and
+# t_generate_s: the sample row failed its whole batch at the Arrow conversion, on every resume.
+@pytest.mark.parametrize(("key", "value"), [("content", 5), ("content", ["a"]), ("finish_reason", 7),
+                                            ("t_generate_s", "x")])
+def test_a_journaled_response_of_the_wrong_type_is_left_to_do_naming_its_line_never_paid_again(
+        profile, tmp_path, key, value):
+    """A resume meets a paid response whose journal line holds a field of the wrong type: that row is left to
+    do (class ``journal``), its reason naming the file, the line and the field, with no request sent, on every
+    actor that meets it; the other rows replay as usual (no request sent for them in this attempt: attempts 0)."""
+    rows = rows_(4)
+    with serve_in_thread(ServerConfig(seed=9), CannedBackend(1, profile)) as (url, server):
+        first = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(), layout=RunLayout(tmp_path)), rows)
+        (path,) = RunLayout(tmp_path).responses.glob("*.jsonl")
+        lines = path.read_bytes().splitlines(keepends=True)
+        at = next(i for i, ln in enumerate(lines) if json.loads(ln)["sample_id"] == "d:2")
+        lines[at] = json.dumps({**json.loads(lines[at]), key: value}).encode() + b"\n"
+        path.write_bytes(b"".join(lines))
+        byte = sum(len(ln) for ln in lines[:at])
+        for _ in range(2):  # a later resume meets it again: still held, still no request
+            again = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(), layout=RunLayout(tmp_path)),
+                        rows)
+            assert server.counts["requests"] == 4
+            held = again["d:2"]
+            assert (held["status"], held["failure_class"], held["attempts"]) == ("not_generated", "journal", 0)
+            assert f"{path}, the line at byte {byte}: {key} must be" in held["error"]
+            assert "paid for" in held["error"] and "repair or delete that line" in held["error"]
+            for sid in ("d:0", "d:1", "d:3"):
+                assert again[sid]["status"] == "ok" and again[sid]["attempts"] == 0
+                assert again[sid]["output_ids"] == first[sid]["output_ids"]
+
+
 def test_a_failure_billed_in_dollars_only_is_settled_not_released(profile, monkeypatch):
     from pipeline.generate.sources.http import engine as http_engine
     from pipeline.generate.sources.http.wire import Failure

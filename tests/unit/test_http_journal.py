@@ -129,6 +129,41 @@ def test_values_only_the_stdlib_parser_reads_are_skipped_too(
     _assert_only_the_good_lines_count(folder, path, caplog, key)
 
 
+# One value per field a replay reads into a sample row (and no counting reader reads), of a type that field
+# cannot be: each once raised inside the replay (an internal-error row), failed its whole batch at the Arrow
+# conversion, or made the rebuild fail so that the prompt was silently asked (and paid for) again.
+REPLAY_WRONG_TYPED = [("content", 5), ("content", ["a"]), ("reasoning", {"t": 1}), ("tool_calls", "x"),
+                      ("tool_calls", [1]), ("tool_calls", [{"function": {"name": 1, "arguments": "{}"}}]),
+                      ("tool_calls", [{"function": {"name": "f", "arguments": {"a": 1}}}]), ("finish_reason", 7),
+                      ("native_finish_reason", True), ("provider", None), ("model", 2), ("sampling", {}),
+                      ("request_digest", 5), ("t_generate_s", "1.5"), ("t_generate_s", None),
+                      ("attempts", "2")]
+
+
+@pytest.mark.parametrize(("key", "value"), REPLAY_WRONG_TYPED, ids=[f"{k}={v!r}" for k, v in REPLAY_WRONG_TYPED])
+def test_a_line_with_a_replayed_field_of_the_wrong_type_still_counts_but_never_parses_as_a_record(
+        tmp_path: Path, key: str, value: object) -> None:
+    """The replay's parse is total: a field of the wrong type is a ValueError naming it, never a Record that
+    raises (or fails a batch) further on. The counting readers do not read that field: the line's bill still
+    counts (the provider billed it), and the replay index still knows the prompt was answered."""
+    from pipeline.generate.sources.http.replay import ReplayIndex, Unreadable
+    from pipeline.generate.sources.http.totals import journal_totals
+
+    good = rec("s1", billed=10, cost=0.5, content="fine").to_json()
+    bad = json.dumps({**json.loads(good), "sample_id": "bad", key: value}).encode()
+    with pytest.raises(ValueError, match=key):
+        Record.from_json(bad)
+    folder = RunLayout(tmp_path).responses
+    path = RunLayout(tmp_path).response_journal("or", "a1")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(good + bad + b"\n")
+    totals = journal_totals(folder, "or")
+    assert totals.billed == {"d1": 20} and set(totals.responded) == {"s1", "bad"}
+    got = ReplayIndex(folder, "or").pop("bad")
+    assert isinstance(got, Unreadable) and str(path) in got.reason and f"byte {len(good)}" in got.reason
+    assert key in got.reason
+
+
 def test_record_parse_rejects_torn_and_foreign_lines_and_ignores_new_keys() -> None:
     line = rec("s1").to_json()
     with pytest.raises(ValueError):

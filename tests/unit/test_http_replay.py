@@ -8,7 +8,7 @@ import pytest
 from pipeline.generate.sources.http import replay as http_replay
 from pipeline.generate.sources.http import totals as http_totals
 from pipeline.generate.sources.http.journal import Record, ResponseJournal
-from pipeline.generate.sources.http.replay import ReplayIndex
+from pipeline.generate.sources.http.replay import ReplayIndex, Unreadable
 
 
 def rec(i: int, source: str = "api", identity: str = "", kind: str = "response") -> Record:
@@ -99,3 +99,22 @@ def test_a_foreign_line_appended_later_is_skipped_loudly(tmp_path, caplog: pytes
         assert idx.refresh() == 1
     assert idx.get("s2") is None and idx.get("s3") is not None and len(idx) == 2
     assert "skipping the unreadable line" in caplog.text and "source must be a string" in caplog.text
+
+
+def test_a_response_that_no_longer_reads_back_is_unreadable_not_none_and_never_taken(tmp_path):
+    """An indexed response whose line does not read back whole (a field of the wrong type, a file gone) was paid
+    for all the same: ``get`` says so, naming the file, the line and the field, with the line's request digest
+    where it reads; ``pop`` leaves it untaken, so every ask of that prompt is held."""
+    f = tmp_path / "api-a.jsonl"
+    good, bad = rec(1).to_json(), rec(2).to_json().replace(b'"finish_reason":""', b'"finish_reason":7')
+    assert bad != rec(2).to_json()
+    f.write_bytes(good + bad)
+    idx = ReplayIndex(tmp_path, "api")
+    assert len(idx) == 2 and idx.pop("s1") == Record.from_json(good)
+    for _ in range(2):
+        got = idx.pop("s2")
+        assert isinstance(got, Unreadable) and got.request_digest == "x"
+        assert got.reason == f"journal {f}, the line at byte {len(good)}: finish_reason must be a string"
+    f.unlink()
+    gone = idx.get("s1")
+    assert isinstance(gone, Unreadable) and gone.request_digest is None and str(f) in gone.reason

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -23,6 +24,7 @@ from pipeline.report.summary import (
     attention_lines,
     extraction_quarantine,
     format_report,
+    source_report,
     throughput,
     with_extraction_quarantine,
 )
@@ -89,8 +91,15 @@ def test_the_console_gives_one_readable_spend_line_per_dataset():
 def test_each_spend_figure_names_what_it_counts():
     text = format_report(_breached(), Path("/out"))
     assert "  tokens generated 12000 (in passed samples, all attempts)" in text
-    assert "  this attempt 80 rows generated, 12000 tokens, $0.1040 billed in its rows (responses replayed from " \
-           "an earlier attempt's journal included)" in text
+    assert "  this attempt 80 rows generated, 12000 tokens, $0.1040 billed in its rows\n" in text
+    again = _breached()
+    again["this_attempt"]["replayed"] = {"samples": 5, "tokens": 600, "cost_usd": 0.005}
+    assert "  this attempt 80 rows generated, 12000 tokens, $0.1040 billed in its rows; replayed from the journal: " \
+           "5 rows, 600 tokens, $0.0050 (billed in an earlier attempt)" in format_report(again, Path("/out"))
+    assert "replayed from the journal (this attempt, paid before)" in render_report_html(again)
+    again["this_attempt"]["replayed"] = {"samples": 0, "tokens": 0, "cost_usd": 0.0}
+    assert "billed in its rows; replayed from the journal: 0\n" in format_report(again, Path("/out"))
+    assert "replayed from the journal" not in render_report_html(again)
     assert "  API spend    $5.5040 (ledger total, all attempts)" in text
     page = render_report_html(_breached())
     assert "API spend (ledger total, all attempts)" in page
@@ -107,6 +116,84 @@ def test_the_rate_counts_rows_generated_not_rows_left_to_do():
     rates = throughput(t, 10.0)
     assert rates["samples_per_s"] == 1.0 and rates["tokens_per_s"] == 100.0  # was 100 samples/s
     assert throughput(t, 0.0)["samples_per_s"] is None
+
+
+def test_responses_replayed_from_the_journal_count_as_done_not_as_this_attempts_generation():
+    """A resume replays what a killed attempt paid for: those rows are done, but generated (and billed) then, not
+    now: they are counted apart, in no rate, no token or dollar figure of this attempt, and no request count."""
+    t = Tally(30, AuditAccumulator(ChecksConfig()))
+    for _ in range(10):
+        t.add({"status": "ok", "source": "api", "ids_from": "rebuilt", "attempts": 1, "output_tokens": 100,
+               "cost": 0.01})
+    for _ in range(15):  # replayed: no request sent for them in this attempt
+        t.add({"status": "ok", "source": "api", "ids_from": "rebuilt", "attempts": 0, "output_tokens": 50,
+               "cost": 0.02})
+    for _ in range(5):  # a local engine's rows carry no attempts
+        t.add({"status": "ok", "source": "vllm", "ids_from": "engine", "attempts": None, "output_tokens": 10})
+    assert t.done == 30 and t.served == {"api": 10, "vllm": 5} and t.replayed == {"api": 15}
+    assert t.tokens == 1050 and t.cost == pytest.approx(0.1)
+    assert (t.replayed_tokens, t.replayed_cost) == (750, pytest.approx(0.3))
+    assert t.requests == {"api": 10} and t.asked == {"api": 10}
+    rates = throughput(t, 10.0)
+    assert rates["samples_per_s"] == 1.5 and rates["tokens_per_s"] == 105.0
+    t.progress(final=True)
+    assert t.series[-1]["done"] == 30 and t.series[-1]["served"] == {"api": 10, "vllm": 5}
+    assert t.snapshot.tokens == 1050 and t.snapshot.cost == pytest.approx(0.1)
+    report = source_report([SimpleNamespace(name="api", kind="openrouter"), SimpleNamespace(name="vllm",
+                                                                                            kind="vllm")], t)
+    assert report["api"]["served"] == 10 and report["api"]["replayed"] == 15 and "replayed" not in report["vllm"]
+    text = format_report(_breached() | {"sources": report, "throughput": rates}, Path("/out"))
+    assert "  source api (openrouter) generated 10, 15 replayed from the journal" in text
+
+
+def test_replayed_rows_are_marked_through_the_flight_path(tmp_path):
+    """The signal the tally reads survives the real path: an HTTP source in the flight contract replays what an
+    earlier actor journaled (``attempts`` 0), the writer's tally columns carry it, and the tally counts those
+    rows apart from the ones generated now. A journaled response that no longer reads back is left to do, class
+    ``journal``, and the report says what to do about it."""
+    import asyncio
+
+    from pipeline.base.config import SamplingConfig
+    from pipeline.base.flight import rows_to_table, tally_of
+    from pipeline.demo.openrouter_server import CannedBackend, ServerConfig
+    from pipeline.generate.sources.http.openrouter import OpenRouterFlight
+    from pipeline.profiles import load_profile
+    from tests.helpers.server import serve_in_thread
+    from tests.unit.test_http_engine_faults import cfg_, rows_
+
+    def flight_run(url: str, rows: list[dict]) -> pa.Table:
+        flight = OpenRouterFlight(None, "deepseek", SamplingConfig(), cfg_(url, name="api"), ledger=Ledger(),
+                                  layout=RunLayout(tmp_path))
+
+        async def go() -> pa.Table:
+            try:
+                return await flight(rows_to_table([{**r, "status": "ok"} for r in rows]))
+            finally:
+                await flight.inner.close()
+
+        return asyncio.run(go())
+
+    rows = rows_(6)
+    with serve_in_thread(ServerConfig(seed=3), CannedBackend(1, load_profile("deepseek"))) as (url, server):
+        flight_run(url, rows[:3])
+        (path,) = RunLayout(tmp_path).responses.glob("*.jsonl")
+        lines = path.read_bytes().splitlines(keepends=True)
+        lines[2] = json.dumps({**json.loads(lines[2]), "content": 5}).encode() + b"\n"
+        path.write_bytes(b"".join(lines))
+        out = flight_run(url, rows)
+        assert server.counts["requests"] == 6  # 3, then the 3 never asked: none of the journaled ones again
+    t = Tally(6, AuditAccumulator(ChecksConfig()))
+    for row in tally_of(out).to_pylist():
+        t.add(row)
+    assert t.done == 6 and t.served == {"api": 3} and t.replayed == {"api": 2}
+    assert t.requests == {"api": 3} and t.left == {("api", "journal"): 1}
+    ok = [r for r in out.to_pylist() if r["status"] == "ok"]
+    assert t.tokens == sum(len(r["output_ids"]) for r in ok if r["attempts"]) and t.replayed_tokens > 0
+    lines = attention_lines({"sources": source_report([SimpleNamespace(name="api", kind="openrouter")], t)})
+    assert len(lines) == 1 and lines[0].startswith("  ! source api: 1 prompts left to do, the responses "
+                                                   "journaled (and paid for) for them unreadable — first: ")
+    assert f"{path}, the line at byte" in lines[0] and "content must be a string or null" in lines[0]
+    assert "repair or delete that line and re-run" in lines[0]
 
 
 def test_report_json_is_strict_json_when_training_diverges(tmp_path):

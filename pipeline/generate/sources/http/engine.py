@@ -23,6 +23,9 @@ failure classes decide which (``http_wire.Failure.failure_class``):
 - ``budget``: the dataset's budget is spent, or in-flight reservations held the
   rest of it for ``budget_wait_max_s`` (a dead actor's reservations lapse with
   its lease, see pipeline.generate.ledger).
+- ``journal``: the response journaled (paid) for this very request cannot be
+  read back (a field of the wrong type, named with the file and line): the row
+  stays not generated, never asked again on its own (``_replay``).
 
 Every answer shape is an outcome: nothing a request meets fails or orphans its
 siblings in the batch (``run_rows``). A journal that cannot be written halts the
@@ -58,7 +61,7 @@ from pipeline.generate.sources.http.circuit import Circuit
 from pipeline.generate.sources.http.config import OpenRouterSourceConfig, is_loopback_host
 from pipeline.generate.sources.http.journal import JournalError, Record, ResponseJournal, request_digest
 from pipeline.generate.sources.http.ledger_client import LedgerClient
-from pipeline.generate.sources.http.replay import ReplayIndex, replay_source
+from pipeline.generate.sources.http.replay import ReplayIndex, Unreadable, replay_source
 from pipeline.generate.sources.http.wire import (
     Failure,
     Reply,
@@ -527,8 +530,22 @@ class HttpEngine:
                 "invalid" if invalid else "ok", drift)
 
     def _replay(self, row: dict[str, Any], digest: str, thinking: bool) -> dict[str, Any] | None:
-        """The sample of a response an earlier, killed attempt paid for, when the request would be the same."""
+        """The sample of a response an earlier, killed attempt paid for, when the request would be the same. Its
+        ``attempts`` is 0: no request was sent for it in this attempt (the report counts it apart, as replayed).
+
+        A journaled response of this request that cannot be read back (``Unreadable``: a field of the wrong type)
+        is an outcome, as a line with a counted field of the wrong type is (``record_fields``: skipped loudly,
+        never an exception that stops the resume). Unlike that line, this one's counted fields read: its bill is
+        in the restored spend and the prompt is known to be answered, so asking again would pay twice without a
+        word. The row stays not generated, class ``journal``, its reason naming the file, the line and the field;
+        repairing or deleting the line (a re-run then asks, and pays, again) is the user's call."""
         rec = self.replay.pop(str(row["sample_id"]), None)
+        if isinstance(rec, Unreadable):
+            if rec.request_digest not in (None, digest):
+                return None  # the answer to another request (a changed prompt or setting): ask for this one
+            reason = (f"its journaled response is unreadable ({rec.reason}); it was paid for, so it is not asked "
+                      "again: repair or delete that line and re-run (deleted, the prompt is asked and paid for again)")
+            return self._not_generated(row, 0, self.redact(reason), "journal")
         same_source = rec is not None and (rec.source == self.source_name
                                            or bool(rec.identity) and rec.identity == self.identity)
         if rec is None or rec.request_digest != digest or not same_source:
@@ -541,7 +558,7 @@ class HttpEngine:
         if attempt.reply is None:
             return None  # it did not rebuild then either: ask again
         self.stats["replayed"] += 1
-        return self._sample(row, attempt, rec.attempts, thinking)
+        return self._sample(row, attempt, 0, thinking)
 
     def _journal(self, row: dict[str, Any], digest: str, kind: str, attempts: int, *, billed: int = 0,
                  charged: int | None = None, cost: float = 0.0, provider: str = "", reply: Reply | None = None,

@@ -119,8 +119,12 @@ class Record:
 
     @classmethod
     def from_json(cls, line: bytes | str) -> Record:
-        """Parse one journal line; ValueError for a torn or foreign line (unknown keys are ignored)."""
-        data = record_fields(line)
+        """Parse one journal line; ValueError for a torn or foreign line (unknown keys are ignored).
+
+        Every field is checked against its declared type (``record_fields``, then ``replay_fields``), so a record
+        it returns replays into a sample row without raising; a field of the wrong type is a ValueError naming
+        it, never a Record that fails later."""
+        data = replay_fields(record_fields(line))
         return cls(**{k: v for k, v in data.items() if k in _FIELD_SET})
 
 
@@ -156,6 +160,40 @@ def record_fields(line: bytes | str) -> dict[str, Any]:
     return data
 
 
+def replay_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a line's ``record_fields``) with the fields a replay reads checked too: the answer's text, tool
+    calls and the figures that go into the sample row (ValueError naming the first of the wrong type).
+
+    Apart from ``record_fields``: the counting readers (``totals``, the replay index) need only what it checks,
+    so a line with a bad answer still counts as billed; only its replay (``Record.from_json``) refuses it."""
+    for key in _REPLAY_TEXT:
+        if key in data and not _is_text(data[key]):
+            raise ValueError(f"{key} must be a string")
+    for key in _REPLAY_OPTIONAL_TEXT:
+        if data.get(key) is not None and not _is_text(data[key]):
+            raise ValueError(f"{key} must be a string or null")
+    if data.get("tool_calls") is not None and not _is_tool_calls(data["tool_calls"]):
+        raise ValueError("tool_calls must be null or a list of {function: {name, arguments}} objects of strings")
+    if "t_generate_s" in data and not _is_finite(data["t_generate_s"]):
+        raise ValueError("t_generate_s must be a finite number")
+    if "attempts" in data and not _is_int64(data["attempts"]):
+        raise ValueError("attempts must be a 64-bit integer")
+    return data
+
+
+def _is_tool_calls(value: Any) -> bool:
+    """Tool calls as the journal writes them (``wire`` normalises an answer's): objects whose ``function`` has a
+    string ``name`` and string ``arguments``."""
+    if not isinstance(value, list):
+        return False
+    for call in value:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and _is_text(fn.get("name")) and _is_text(fn.get("arguments"))
+                and (call.get("id") is None or _is_text(call["id"]))):
+            return False
+    return True
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -188,6 +226,8 @@ _FIELD_SET = frozenset(_FIELDS)
 _REQUIRED = ("sample_id", "dataset", "source", "model", "sampling", "request_digest")
 _TEXT = ("sample_id", "dataset", "source")  # required, and string columns of the projection
 _OPTIONAL_TEXT = ("generation_id", "error", "identity")  # string columns too; null projects as ""
+_REPLAY_TEXT = ("model", "sampling", "request_digest", "provider", "finish_reason")  # strings where present
+_REPLAY_OPTIONAL_TEXT = ("reasoning", "content", "native_finish_reason")
 
 
 # -- the projection: the fields a resume and ``status`` count, kept beside each file ----------------------------

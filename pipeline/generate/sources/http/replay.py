@@ -12,6 +12,10 @@ A file seen for the first time is indexed from its projection (``totals.projecti
 what was appended since), so a resume's actors parse no line their predecessors' writers projected; what is
 appended later is parsed line by line, checking only the fields the index keeps (``record_fields``). The one
 record replayed is parsed whole when it is taken (``get``).
+
+A response indexed for a prompt that cannot be read back whole (a field of the wrong type, a file gone) was
+still paid for: ``get`` gives :class:`Unreadable`, naming the file, the line and the field, and the engine
+leaves that prompt to do rather than ask, and pay, a second time (``HttpEngine._replay``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ from pipeline.generate.sources.http.journal import Record, journal_files, record
 from pipeline.generate.sources.http.totals import projection_to
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A response journaled for a prompt whose line cannot be read back as a ``Record``.
+
+    ``reason`` names the file, the line's byte offset and what is wrong with it (the field of the wrong type).
+    ``request_digest``: the line's, when that much of it reads, else None (it may be this request's answer)."""
+
+    reason: str
+    request_digest: str | None = None
 
 
 @dataclass
@@ -153,31 +168,47 @@ class ReplayIndex:
             return rec["identity"] == self.identity
         return rec["source"] == self.source
 
-    def get(self, sample_id: str) -> Record | None:
-        """The journaled response for this prompt, or None; reads it from its file."""
+    def get(self, sample_id: str) -> Record | Unreadable | None:
+        """The journaled response for this prompt, read from its file; None when there is none, and
+        :class:`Unreadable` when its line no longer reads whole (never raises: the file is outside input)."""
         where = self._where.get(sample_id)
         if where is None:
             return None
+        line = b""
         try:
             with open(where.path, "rb") as f:
                 f.seek(where.start)
-                return Record.from_json(f.read(where.end - where.start))
-        except (OSError, ValueError, TypeError) as e:
-            log.warning("replay index: cannot re-read the response of %s in %s: %s", sample_id, where.path, e)
-            return None
+                line = f.read(where.end - where.start)
+            return Record.from_json(line)
+        except (OSError, ValueError, TypeError, RecursionError) as e:
+            reason = f"journal {where.path}, the line at byte {where.start}: {e}"
+            log.warning("replay index: cannot re-read the response of %s: %s", sample_id, reason)
+            return Unreadable(reason, _digest_of(line))
 
-    def pop(self, sample_id: str, default: Record | None = None) -> Record | None:
-        """Like ``dict.pop``: the engine's replay protocol (a response is replayed at most once per actor)."""
+    def pop(self, sample_id: str, default: Record | None = None) -> Record | Unreadable | None:
+        """Like ``dict.pop``: the engine's replay protocol (a response is replayed at most once per actor). An
+        ``Unreadable`` one is not taken: the prompt stays held on every ask."""
         if sample_id in self.taken:
             return default
         rec = self.get(sample_id)
         if rec is None:
             return default
-        self.taken.add(sample_id)
+        if isinstance(rec, Record):
+            self.taken.add(sample_id)
         return rec
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+def _digest_of(line: bytes) -> str | None:
+    """The ``request_digest`` of a journal line that does not parse as a ``Record``, when that field reads."""
+    try:
+        data = record_fields(line)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    digest = data.get("request_digest")
+    return digest if isinstance(digest, str) else None
 
 
 class DictReplay(dict):
