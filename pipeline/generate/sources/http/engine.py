@@ -183,7 +183,7 @@ class _Attempt:
     seconds: float
     output_ids: list[int] | None = None
     truncated: bool = False
-    doubt: str = ""  # what the text and bill do not pin down (``Rebuilt.doubt``): the rebuild check quarantines
+    doubt: str = ""  # what the text and bill do not pin down (``Rebuilt.doubt``): the rebuild check (quarantine)
 
 
 class HttpEngine:
