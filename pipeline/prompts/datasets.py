@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +60,26 @@ class Prompt:
     tools: list[dict[str, Any]] | None
 
 
+@dataclass(frozen=True)
+class Unreadable:
+    """A Parquet value Python has no form for (a timestamp past year 9999): the rest of its row still reads, and
+    only a format that reads its column quarantines the row (an unused column does not fail a run)."""
+
+    type: str
+    why: str
+
+    def __str__(self) -> str:  # the quarantine's ``raw`` (json.dumps default=str)
+        return f"<unreadable {self.type}: {self.why}>"
+
+
 def _column(row: dict[str, Any], columns: dict[str, str], field: str, required: bool = True) -> Any:
     col = columns[field]
     if col not in row or row[col] is None:
         if required:
             raise RowError(f"missing column {col!r}")
         return None
+    if isinstance(row[col], Unreadable):
+        raise RowError(f"column {col!r} holds a {row[col].type} value that cannot be read: {row[col].why}")
     return row[col]
 
 
@@ -90,8 +105,27 @@ def _finite(text: str) -> float:
 STRICT = {"parse_constant": _not_a_number, "parse_float": _finite}
 
 
+# How deep a row's JSON may nest. Past ~900 json's RecursionError decided, so a row parsed or not by the depth of
+# the reader's stack (the driver's, an index task's, a read task's: one row, two ids); a fixed bound decides
+# alike in every process, and at 200 the sources' orjson (254 levels) can still write the request.
+MAX_DEPTH = 200
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def _check_depth(text: str) -> None:
+    """A ValueError for JSON text nested deeper than ``MAX_DEPTH`` (brackets inside strings not counted)."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    if max(accumulate(1 if c in "[{" else -1 for c in brackets), default=0) > MAX_DEPTH:
+        raise ValueError(f"nested too deeply (more than {MAX_DEPTH} levels)")
+
+
 def _loads(text: str) -> Any:
-    """``json.loads`` refusing non-finite numbers (a ValueError, as for a too-long integer)."""
+    """``json.loads`` refusing non-finite numbers and nesting past ``MAX_DEPTH`` (a ValueError, as for a too-long
+    integer)."""
+    _check_depth(text)
     return json.loads(text, **STRICT)
 
 
@@ -155,9 +189,12 @@ def _norm_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
 
 
 def _part_text(part: Any, i: int, j: int) -> str:
-    """An OpenAI content part's text, "" for a part without any (an image); text that is not a string is a
+    """An OpenAI content part's text, "" for a part without any (an image); a part that is not an object (a bare
+    string, which was read as "" and left the question out of the prompt) or text that is not a string is a
     RowError (a join would raise on it)."""
-    text = part.get("text", "") if isinstance(part, dict) else ""
+    if not isinstance(part, dict):
+        raise RowError(f"message {i} content part {j} must be an object, got {type(part).__name__}")
+    text = part.get("text", "")
     if not isinstance(text, str):
         raise RowError(f"message {i} content part {j} text must be a string, got {type(text).__name__}")
     return text
@@ -249,6 +286,10 @@ _GLAIVE_QUOTED_ARGS = re.compile(r"""("arguments"\s*:\s*)'(.*)'(\s*\})""", re.DO
 def _json_objects(text: str, what: str) -> list[Any]:
     """Every top-level JSON object in free text, in order. Text that is no JSON is skipped; an object JSON
     cannot read (too deep, a too-long integer) is a RowError, not a definition or a call silently lost."""
+    try:
+        _check_depth(text)
+    except ValueError as e:
+        raise RowError(f"{what} holds JSON that cannot be read: {e}") from None
     dec, out, i = json.JSONDecoder(**STRICT), [], 0
     while (i := text.find("{", i)) != -1:
         try:
@@ -348,6 +389,12 @@ _JSON_OPENERS = {"{": "an object", '"': "a string", "t": "a boolean", "f": "a bo
 _CHUNK = 1 << 20  # bytes a JSONL file is read in: memory is a chunk and one line, whatever the file's size
 
 
+def _kind(path: Path) -> str:
+    """How a file is read, by its suffix in any case (``DATA.PARQUET`` read as JSONL would quarantine every line
+    as garbage): ``.parquet``, ``.json``, or JSONL for any other."""
+    return path.suffix.lower()
+
+
 def _check_file(path: Path) -> None:
     """A folder or a missing path is a DatasetError (pyarrow would read a folder as a partitioned dataset)."""
     if path.is_dir():
@@ -373,6 +420,31 @@ def _not_parquet(path: Path, e: Exception) -> DatasetError:
     return DatasetError(f"{path}: not a valid Parquet file: {why}")
 
 
+def _cells(column: Any) -> list[Any]:
+    """A Parquet column's values, each one that has no Python form as an ``Unreadable``."""
+    try:
+        return column.to_pylist()
+    except Exception:  # OverflowError, ValueError, ArrowInvalid: a value's fault, never the file's
+        pass
+    out: list[Any] = []
+    for i in range(len(column)):
+        try:
+            out.append(column[i].as_py())
+        except Exception as e:
+            out.append(Unreadable(str(column.type), str(e) or type(e).__name__))
+    return out
+
+
+def _batch_rows(batch: Any) -> list[dict[str, Any]]:
+    """``batch.to_pylist()``, except that a value it cannot convert (an out-of-range date in any column) is an
+    ``Unreadable`` in its row, not an error that ends the read of the whole file."""
+    try:
+        return batch.to_pylist()
+    except Exception:  # see _cells
+        columns = {name: _cells(batch.column(j)) for j, name in enumerate(batch.schema.names)}
+        return [{name: cells[i] for name, cells in columns.items()} for i in range(batch.num_rows)]
+
+
 def _parquet_rows(path: Path, want: Collection[int] | None = None) -> Iterator[tuple[int, Any]]:
     """Row group by row group (pyarrow batches), so a large file is never one table in memory; with ``want``
     only those rows become Python objects."""
@@ -386,10 +458,10 @@ def _parquet_rows(path: Path, want: Collection[int] | None = None) -> Iterator[t
             at = 0
             for batch in f.iter_batches():
                 if want is None:
-                    yield from enumerate(batch.to_pylist(), at)
+                    yield from enumerate(_batch_rows(batch), at)
                 else:
                     picked = [i - at for i in range(at, at + batch.num_rows) if i in want]
-                    yield from zip((at + i for i in picked), batch.take(pa.array(picked, pa.int64())).to_pylist(),
+                    yield from zip((at + i for i in picked), _batch_rows(batch.take(pa.array(picked, pa.int64()))),
                                    strict=True)
                 at += batch.num_rows
                 if last is not None and at > last:
@@ -436,14 +508,18 @@ def _bad_line(reason: str, line: bytes) -> RowError:
 def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
     """The lines of the concatenated chunks exactly as ``bytes.splitlines`` gives them (\\n, \\r\\n and \\r),
     holding one chunk and one line: a piece without its end, or ending in \\r (a \\n may open the next chunk),
-    waits for the next chunk."""
-    carry = b""
+    waits for the next chunk. A line longer than a chunk is kept as its chunks and joined once, when it ends
+    (joined at every chunk, a 64 MiB line took seconds and a 1 GiB one, a minified JSON array, many minutes)."""
+    carry: list[bytes] = []
     for chunk in chunks:
-        pieces = (carry + chunk).splitlines(keepends=True)
-        carry = pieces.pop() if pieces and (pieces[-1].endswith(b"\r") or not pieces[-1].endswith(b"\n")) else b""
+        if b"\n" not in chunk and b"\r" not in chunk:
+            carry.append(chunk)
+            continue
+        pieces = b"".join([*carry, chunk]).splitlines(keepends=True)
+        carry = [pieces.pop()] if pieces and (pieces[-1].endswith(b"\r") or not pieces[-1].endswith(b"\n")) else []
         for piece in pieces:
             yield piece[:-2] if piece.endswith(b"\r\n") else piece[:-1]
-    yield from carry.splitlines()
+    yield from b"".join(carry).splitlines()
 
 
 def _file_chunks(path: Path, size: int = _CHUNK) -> Iterator[bytes]:
@@ -502,9 +578,9 @@ def read_raw_rows(path: str | Path, want: Collection[int] | None = None) -> Iter
     resume that knows from the id index which rows are left), the others not parsed.
     """
     path = Path(path)
-    if path.suffix == ".parquet":
+    if _kind(path) == ".parquet":
         yield from _parquet_rows(path, want)
-    elif path.suffix == ".json":
+    elif _kind(path) == ".json":
         rows = enumerate(_json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8)))
         yield from rows if want is None else ((i, r) for i, r in rows if i in want)
     else:
@@ -598,9 +674,9 @@ def check_dataset(cfg: DatasetConfig) -> None:
     one valid JSON list. A driver calls it before Ray starts; the readers in the workers raise the same
     errors, so they only meet what changed since (or a Parquet file corrupt past its footer)."""
     path = Path(cfg.path)
-    if path.suffix == ".parquet":
+    if _kind(path) == ".parquet":
         _parquet_footer_rows(path)
-    elif path.suffix == ".json":
+    elif _kind(path) == ".json":
         _json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8), keep=False)
     else:
         _check_file(path)
@@ -615,9 +691,9 @@ def count_rows(cfg: DatasetConfig, warn: bool = True) -> int:
     says (a Parquet footer) and holding none; logs ``warn_empty`` as ``load_dataset`` does (``warn``)."""
     path = Path(cfg.path)
     cap = cfg.max_rows if cfg.max_rows is not None else float("inf")
-    if path.suffix == ".parquet":
+    if _kind(path) == ".parquet":
         n = _parquet_footer_rows(path)
-    elif path.suffix == ".json":
+    elif _kind(path) == ".json":
         n = len(_json_rows(path, _read_bytes(path).removeprefix(codecs.BOM_UTF8), keep=False))
     else:
         n = 0
