@@ -114,6 +114,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     from pipeline.generate.sources.chain import wait_for_retired_engines
     from pipeline.generate.sources.engines.deaths import clear_batch_notes
     from pipeline.hidden.extract import HiddenStateExtractor
+    from pipeline.run.shared_paths import check_shared_paths
 
     timings = Timings()
     t_all = time.perf_counter()
@@ -132,6 +133,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     t0 = time.perf_counter()
     init_ray(cfg)
     timings.add("ray_init", t0)
+    check_shared_paths(cfg, layout)  # several nodes: each sees the folder and files as the driver does
     t0 = time.perf_counter()
     prompts, index = read_prompts(cfg, layout, done)  # the index pass: Ray tasks read the files
     # A fresh run generates while its index pass parses (its time grows with the prompts); a resume counts first

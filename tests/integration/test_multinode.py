@@ -354,3 +354,27 @@ def test_losing_the_engine_node_mid_run_restarts_the_engine_elsewhere(tmp_path, 
     st = check_accounting(cfg, expect_to_do=0)
     t = st["totals"]
     print(f"rows {t['rows']}: passed {t['passed']}, quarantined {t['quarantined']}, to do {t['to_do']}")
+
+
+def test_a_folder_or_file_a_node_does_not_see_stops_the_run_before_it_starts(tmp_path, nodes, monkeypatch):
+    """The shared-paths check (pipeline.run.shared_paths) on real nodes: each alive node reads the driver's token
+    back from the output folder (one filesystem here, so all do) and looks for the run's files; a file no node
+    sees is named per node, as a config error, and the token file is gone afterwards."""
+    from pipeline.base.config import ConfigError
+    from pipeline.base.layout import RunLayout
+    from pipeline.run import shared_paths
+
+    worker = nodes.add(num_cpus=1)
+    layout = RunLayout(tmp_path / "out")
+    layout.root.mkdir()
+    seen = tmp_path / "prompts.jsonl"
+    seen.write_text("{}\n")
+    monkeypatch.setattr(shared_paths, "paths_to_check", lambda cfg: [str(seen)])
+    shared_paths.check_shared_paths(None, layout)  # every node sees both: no error
+    missing = str(tmp_path / "gone.jsonl")
+    monkeypatch.setattr(shared_paths, "paths_to_check", lambda cfg: [str(seen), missing])
+    with pytest.raises(ConfigError, match="same path on every node") as e:
+        shared_paths.check_shared_paths(None, layout)
+    assert str(e.value).count(f"{missing} is missing") == 2  # the head and the worker node, each named
+    assert worker.node_id[:8] in str(e.value) and nodes.head_node_id()[:8] in str(e.value)
+    assert not (layout.root / shared_paths.TOKEN_FILE).exists()
