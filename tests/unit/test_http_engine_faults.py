@@ -268,6 +268,63 @@ def test_a_journaled_response_of_the_wrong_type_is_left_to_do_naming_its_line_ne
                 assert again[sid]["output_ids"] == first[sid]["output_ids"]
 
 
+# Counted fields (the ones the totals and the replay index read): such a line was skipped whole, so its prompt,
+# paid for, was not known as answered and a resume asked (and paid for) it again.
+COUNTED_WRONG = [("cost", "0.5"), ("billed_completion_tokens", "12"), ("charged_tokens", 1.5),
+                 ("generation_id", 7), ("kind", 5), ("source", 5), ("dataset", 5), ("at", "x")]
+
+
+@pytest.mark.parametrize(("key", "value"), COUNTED_WRONG, ids=[f"{k}={v!r}" for k, v in COUNTED_WRONG])
+def test_a_journaled_response_whose_counted_field_is_of_the_wrong_type_is_held_never_paid_again(
+        profile, tmp_path, caplog, key, value):
+    """A resume meets a paid response whose journal line holds a counted field of the wrong type, its sample id
+    still reading: as for a replayed field, the row is left to do (class ``journal``), its reason naming the
+    file, the line and the field, with no request sent, on every resume; the other rows replay as usual."""
+    rows = rows_(4)
+    with serve_in_thread(ServerConfig(seed=9), CannedBackend(1, profile)) as (url, server):
+        first = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(), layout=RunLayout(tmp_path)), rows)
+        (path,) = RunLayout(tmp_path).responses.glob("*.jsonl")
+        lines = path.read_bytes().splitlines(keepends=True)
+        at = next(i for i, ln in enumerate(lines) if json.loads(ln)["sample_id"] == "d:2")
+        lines[at] = json.dumps({**json.loads(lines[at]), key: value}).encode() + b"\n"
+        path.write_bytes(b"".join(lines))
+        byte = sum(len(ln) for ln in lines[:at])
+        for _ in range(2):  # a later resume meets it again (from the projection a reader stored): still held
+            with caplog.at_level("WARNING"):
+                again = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(),
+                                                layout=RunLayout(tmp_path)), rows)
+            assert server.counts["requests"] == 4
+            held = again["d:2"]
+            assert (held["status"], held["failure_class"], held["attempts"]) == ("not_generated", "journal", 0)
+            assert f"{path}, the line at byte {byte}: " in held["error"] and key in held["error"]
+            assert "paid for" in held["error"] and "repair or delete that line" in held["error"]
+            assert "its prompt d:2 is held as paid" in caplog.text
+            caplog.clear()
+            for sid in ("d:0", "d:1", "d:3"):
+                assert again[sid]["status"] == "ok" and again[sid]["attempts"] == 0
+                assert again[sid]["output_ids"] == first[sid]["output_ids"]
+
+
+def test_a_journaled_response_in_which_no_sample_id_reads_is_asked_again_and_said(profile, tmp_path, caplog):
+    """Where not even the line's sample id reads, no prompt can be held: that prompt is asked (and paid for)
+    again, and the warning says so, naming the file and the line."""
+    rows = rows_(4)
+    with serve_in_thread(ServerConfig(seed=9), CannedBackend(1, profile)) as (url, server):
+        run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(), layout=RunLayout(tmp_path)), rows)
+        (path,) = RunLayout(tmp_path).responses.glob("*.jsonl")
+        lines = path.read_bytes().splitlines(keepends=True)
+        at = next(i for i, ln in enumerate(lines) if json.loads(ln)["sample_id"] == "d:2")
+        lines[at] = json.dumps({**json.loads(lines[at]), "sample_id": 2}).encode() + b"\n"
+        path.write_bytes(b"".join(lines))
+        byte = sum(len(ln) for ln in lines[:at])
+        with caplog.at_level("WARNING"):
+            again = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(), layout=RunLayout(tmp_path)),
+                        rows)
+        assert server.counts["requests"] == 5 and again["d:2"]["status"] == "ok" and again["d:2"]["attempts"] == 1
+    assert f"{path}: skipping the unreadable line at byte {byte}" in caplog.text
+    assert "may be asked (and paid for) again" in caplog.text
+
+
 def test_a_failure_billed_in_dollars_only_is_settled_not_released(profile, monkeypatch):
     from pipeline.generate.sources.http import engine as http_engine
     from pipeline.generate.sources.http.wire import Failure

@@ -54,24 +54,32 @@ def test_record_round_trip() -> None:
     assert Record.from_json(none.to_json()) == none
 
 
-def test_a_line_with_numbers_of_the_wrong_type_is_refused_not_counted(tmp_path: Path) -> None:
-    """The counting reader checks the figures it adds up: a foreign line with a string for tokens or cost is
-    skipped loudly, never a TypeError at the sum."""
+def test_a_line_with_numbers_of_the_wrong_type_counts_as_far_as_it_reads_never_less(tmp_path: Path) -> None:
+    """The counting reader checks the figures it adds up: a line with a string for tokens or cost is never a
+    TypeError at the sum, nor a coerced value; what of it reads still counts (the provider billed it), and tokens
+    that do not read count as the request's whole reservation (``max_tokens`` of its sampling) as the engine
+    charges a bill it cannot read. Its prompt is known as answered (held, not asked again)."""
     from pipeline.generate.sources.http.totals import journal_totals
 
     good = rec("s1", billed=10, cost=0.5).to_json()
-    bad = [json.dumps({**json.loads(good), "sample_id": f"x{i}", **patch}).encode() + b"\n"
+    asked = json.dumps({"temperature": 0.6, "max_tokens": 64})
+    bad = [json.dumps({**json.loads(good), "sample_id": f"x{i}", "sampling": asked, **patch}).encode() + b"\n"
            for i, patch in enumerate([{"charged_tokens": "12"}, {"cost": "0.5"}, {"billed_completion_tokens": True}])]
     path = RunLayout(tmp_path).response_journal("or", "a1")
     path.parent.mkdir(parents=True)
     path.write_bytes(good + b"".join(bad) + good)
     totals = journal_totals(RunLayout(tmp_path).responses, "or")
-    assert totals.billed == {"d1": 20} and totals.cost == {"d1": 1.0} and set(totals.responded) == {"s1"}
+    # x0: its charge does not read, its 10 billed do: the reservation (64) bounds it; x1: its cost does not read
+    # (0 here: the ledger's journal holds its dollar reservation), its 10 tokens do; x2: its billed count does not
+    assert totals.billed == {"d1": 10 + 64 + 10 + 64 + 10}
+    assert totals.cost == {"d1": pytest.approx(0.5 + 0.5 + 0.0 + 0.5 + 0.5)}
+    assert set(totals.responded) == {"s1", "x0", "x1", "x2"}
     assert [r.sample_id for r in iter_journal(path)] == ["s1", "s1"]
 
 
 # One value per field a reader turns into an Arrow column (``journal.PROJECTION_SCHEMA``), of a type that column
-# cannot hold: each once made ``pa.array`` raise after the per-line skip, or was counted as if it were good.
+# cannot hold: each once made ``pa.array`` raise after the per-line skip, or was counted as if it were good; then
+# the line was skipped whole, and its prompt, paid for, was asked (and paid for) again on a resume.
 WRONG_TYPED = [("source", 5), ("source", ["or"]), ("sample_id", 5), ("dataset", {"d": 1}), ("kind", 5),
                ("generation_id", 7), ("error", {"status": 500}), ("identity", 5), ("charged_tokens", 1 << 63),
                ("billed_completion_tokens", (1 << 64) - 1), ("charged_tokens", 1.5), ("cost", "0.5"),
@@ -82,36 +90,58 @@ def _one_bad_line(tmp_path: Path, patch: dict[str, object], dumps=json.dumps) ->
     """A journal of good lines around one whose ``patch`` makes it foreign; returns (responses folder, file)."""
     good = [rec(f"s{i}", billed=10, cost=0.5, identity="id1", generation_id=f"g{i}").to_json() for i in range(3)]
     bad = {**json.loads(good[0]), "sample_id": "bad", "billed_completion_tokens": 1000, "cost": 9.0,
-           "generation_id": "g-bad", **patch}
+           "generation_id": "g-bad", "sampling": json.dumps({"max_tokens": 2000}), **patch}
     path = RunLayout(tmp_path).response_journal("or", "a1")
     path.parent.mkdir(parents=True)
     path.write_bytes(good[0] + good[1] + dumps(bad).encode() + b"\n" + good[2])
     return path.parent, path
 
 
-def _assert_only_the_good_lines_count(folder: Path, path: Path, caplog: pytest.LogCaptureFixture, key: str) -> None:
-    from pipeline.generate.sources.http.replay import ReplayIndex
+def _assert_counted_as_far_as_it_reads(folder: Path, path: Path, caplog: pytest.LogCaptureFixture,
+                                       key: str) -> None:
+    """The good lines count; the bad one counts as far as it reads (its bill where its dataset reads, tokens
+    that do not read as its whole reservation) and, where its sample id reads, its prompt is held by the replay
+    index (``Unreadable``, naming the file, the line's byte and the field); where it does not, the line is
+    skipped, saying that its prompt may be paid for again. Nothing is coerced, nothing raises."""
+    from pipeline.generate.sources.http.replay import ReplayIndex, Unreadable
     from pipeline.generate.sources.http.totals import journal_totals
 
     with caplog.at_level(logging.WARNING):
         totals = journal_totals(folder, "or")
         by_name, by_identity = ReplayIndex(folder, "or"), ReplayIndex(folder, "renamed", identity="id1")
-    assert totals.billed == {"d1": 30} and totals.cost == {"d1": 1.5}
-    assert set(totals.responded) == {"s0", "s1", "s2"} and totals.gave_up == {}
-    assert len(by_name) == len(by_identity) == 3 and by_name.get("bad") is None and by_identity.get("bad") is None
-    assert "skipping the unreadable line" in caplog.text and key in caplog.text
+    tokens = 0 if key == "dataset" else 2000 if key in ("charged_tokens", "billed_completion_tokens") else 1000
+    usd = 0.0 if key in ("dataset", "cost") else 9.0
+    assert totals.billed == {"d1": 30 + tokens} and totals.cost == {"d1": pytest.approx(1.5 + usd)}
+    assert totals.gave_up == {}
+    held = key != "sample_id"
+    assert set(totals.responded) == {"s0", "s1", "s2"} | ({"bad"} if held else set())
+    byte = len(b"".join(path.read_bytes().splitlines(keepends=True)[:2]))
+    for index, holds in ((by_name, held), (by_identity, held and key != "identity")):
+        got = index.get("bad")
+        assert len(index) == 3 + holds
+        if holds:
+            assert isinstance(got, Unreadable) and got.request_digest == "ab" * 32
+            assert got.reason.startswith(f"journal {path}, the line at byte {byte}: ") and key in got.reason
+            assert isinstance(index.pop("bad"), Unreadable) and isinstance(index.pop("bad"), Unreadable)  # held
+        else:
+            assert got is None
+    assert f"at byte {byte}" in caplog.text and key in caplog.text
+    if held:
+        assert "its prompt bad is held as paid" in caplog.text
+    else:
+        assert "skipping the unreadable line" in caplog.text and "may be asked (and paid for) again" in caplog.text
     assert [r.sample_id for r in iter_journal(path)] == ["s0", "s1", "s2"]
     assert sorted(load_responses(folder, "or")) == ["s0", "s1", "s2"]
 
 
 @pytest.mark.parametrize(("key", "value"), WRONG_TYPED, ids=[f"{k}={v!r}" for k, v in WRONG_TYPED])
-def test_a_line_with_a_projected_field_of_the_wrong_type_is_skipped_loudly(
+def test_a_line_with_a_counted_field_of_the_wrong_type_holds_its_prompt_and_counts_as_far_as_it_reads(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, key: str, value: object) -> None:
     """A resume's spend restore and the replay index read a journal a crash or a foreign writer may have left
-    anything in: a line whose field cannot go into its Arrow column is that line skipped (and said), never an
-    ArrowTypeError or OverflowError for the whole file, never a line counted with a coerced value."""
+    anything in: a line whose field cannot go into its Arrow column is never an ArrowTypeError or OverflowError
+    for the whole file, never a line counted with a coerced value, and never a prompt paid for twice."""
     folder, path = _one_bad_line(tmp_path, {key: value})
-    _assert_only_the_good_lines_count(folder, path, caplog, key)
+    _assert_counted_as_far_as_it_reads(folder, path, caplog, key)
 
 
 STDLIB_ONLY = [("cost", float("nan")), ("cost", float("inf")), ("at", float("-inf")), ("source", "\ud800"),
@@ -119,14 +149,45 @@ STDLIB_ONLY = [("cost", float("nan")), ("cost", float("inf")), ("at", float("-in
 
 
 @pytest.mark.parametrize(("key", "value"), STDLIB_ONLY, ids=[f"{k}={v!r}" for k, v in STDLIB_ONLY])
-def test_values_only_the_stdlib_parser_reads_are_skipped_too(
+def test_values_only_the_stdlib_parser_reads_are_refused_too(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, key: str,
         value: object) -> None:
     """Without orjson the stdlib parser reads NaN, infinities, lone surrogate escapes and integers of any size:
     none of them is counted or reaches an Arrow column."""
     monkeypatch.setattr(http_journal, "_loads", json.loads)
     folder, path = _one_bad_line(tmp_path, {key: value})
-    _assert_only_the_good_lines_count(folder, path, caplog, key)
+    _assert_counted_as_far_as_it_reads(folder, path, caplog, key)
+
+
+def test_a_line_nested_too_deep_for_the_stdlib_parser_is_a_line_that_does_not_read(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without orjson, ``json.loads`` raises RecursionError (not a ValueError) on a line nested deep enough: every
+    reader (``iter_journal``, the totals, the replay index's projection and its line-by-line refresh) skips that
+    line loudly, never raising out of a resume."""
+    from pipeline.generate.sources.http.replay import ReplayIndex
+    from pipeline.generate.sources.http.totals import journal_totals
+
+    monkeypatch.setattr(http_journal, "_loads", json.loads)
+    deep = b'{"sample_id":"deep","x":' + b"[" * 200_000 + b"]" * 200_000 + b"}\n"
+    with pytest.raises(RecursionError):
+        json.loads(deep)
+    folder = RunLayout(tmp_path).responses
+    path = RunLayout(tmp_path).response_journal("or", "a1")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(rec("s0").to_json() + deep + rec("s1").to_json())
+    with caplog.at_level(logging.WARNING):
+        assert [r.sample_id for r in iter_journal(path)] == ["s0", "s1"]
+        totals = journal_totals(folder, "or")
+        index = ReplayIndex(folder, "or")
+    assert totals.billed == {"d1": 20} and set(totals.responded) == {"s0", "s1"}
+    assert len(index) == 2 and index.get("deep") is None
+    assert "maximum recursion depth" in caplog.text and "may be asked (and paid for) again" in caplog.text
+    caplog.clear()
+    with open(path, "ab") as fh:  # appended later: parsed line by line by the index's refresh
+        fh.write(deep + rec("s2").to_json())
+    with caplog.at_level(logging.WARNING):
+        assert index.refresh() == 1
+    assert index.get("s2") is not None and "maximum recursion depth" in caplog.text
 
 
 # One value per field a replay reads into a sample row (and no counting reader reads), of a type that field

@@ -3,11 +3,13 @@ by source name or by identity."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline.generate.sources.http import replay as http_replay
 from pipeline.generate.sources.http import totals as http_totals
-from pipeline.generate.sources.http.journal import Record, ResponseJournal
+from pipeline.generate.sources.http.journal import Record, ResponseJournal, projection_path
 from pipeline.generate.sources.http.replay import ReplayIndex, Unreadable
 
 
@@ -85,20 +87,66 @@ def test_a_resumed_actor_indexes_from_the_writers_projections_and_parses_only_wh
     assert len(renamed) == 61 and renamed.get("s100") is None and renamed.get("s59") == written["s59"]
 
 
-def test_a_foreign_line_appended_later_is_skipped_loudly(tmp_path, caplog: pytest.LogCaptureFixture):
-    """What a refresh parses line by line is checked as the projection is: a line of the wrong types is skipped
-    and said, the good ones around it indexed."""
+def test_a_line_of_the_wrong_types_appended_later_holds_its_prompt_or_is_skipped_loudly(
+        tmp_path, caplog: pytest.LogCaptureFixture):
+    """What a refresh parses line by line is checked as the projection is: a line whose counted field is of the
+    wrong type (here its source: the file's name says whose it is) still holds its prompt, its sample id reading;
+    one in which no sample id reads is skipped and said (its prompt may be paid for again); the good ones around
+    them indexed."""
     f = tmp_path / "api-a.jsonl"
-    f.write_bytes(rec(1).to_json())
+    first = rec(1).to_json()
+    f.write_bytes(first)
     idx = ReplayIndex(tmp_path, "api")
     bad = rec(2).to_json().replace(b'"source":"api"', b'"source":5')
-    assert bad != rec(2).to_json()
+    nameless = rec(4).to_json().replace(b'"sample_id":"s4"', b'"sample_id":4')
+    assert bad != rec(2).to_json() and nameless != rec(4).to_json()
     with open(f, "ab") as fh:
-        fh.write(bad + rec(3).to_json())
+        fh.write(bad + rec(3).to_json() + nameless)
     with caplog.at_level("WARNING", logger=http_replay.__name__):
-        assert idx.refresh() == 1
-    assert idx.get("s2") is None and idx.get("s3") is not None and len(idx) == 2
-    assert "skipping the unreadable line" in caplog.text and "source must be a string" in caplog.text
+        assert idx.refresh() == 2
+    held = idx.get("s2")
+    assert isinstance(held, Unreadable) and "source must be a string" in held.reason
+    assert f"the line at byte {len(first)}" in held.reason and str(f) in held.reason
+    assert idx.get("s3") is not None and idx.get("s4") is None and len(idx) == 3
+    assert "its prompt s2 is held as paid" in caplog.text and "source must be a string" in caplog.text
+    assert "skipping the unreadable line" in caplog.text and "may be asked (and paid for) again" in caplog.text
+
+
+def _bad(r: Record, **patch) -> bytes:
+    return json.dumps({**json.loads(r.to_json()), **patch}).encode() + b"\n"
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["parsed", "from the stored projection"])
+def test_a_line_whose_counted_fields_do_not_read_holds_only_a_prompt_of_this_source_never_over_a_good_one(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, stored):
+    """Indexed from a file's projection (stored by an earlier reader, so nothing is parsed: a projection that
+    once left such a line out forgot the prompt was paid for) or parsed: the line holds its prompt where it may
+    be a response of this source; a readable response of the same prompt wins over it, earlier or later; a
+    billed failure, a give-up and another source's line hold nothing."""
+    a, b = tmp_path / "api-a.jsonl", tmp_path / "api-b.jsonl"
+    a.write_bytes(_bad(rec(1), cost="x")  # held
+                  + _bad(rec(2), cost="x", at=1e12) + _bad(rec(3), cost="x", at=1.0)  # later, earlier: b's win
+                  + _bad(rec(4), cost="x", kind="billed_failure") + _bad(rec(5), cost="x", kind="gave_up")
+                  + _bad(rec(6, source="other"), cost="x")  # another source's, in a file of this one's name
+                  + _bad(rec(7), kind=["response"], at="now"))  # its kind does not read either: it may be one
+    b.write_bytes(rec(2).to_json() + rec(3).to_json())
+    parses = []
+    if stored:
+        http_totals.journal_totals(tmp_path, "api")  # an earlier reader (the run's end, status) stored them
+        assert projection_path(a).is_file() and projection_path(b).is_file()
+        for module in (http_totals, http_replay):
+            real = module.record_fields
+            monkeypatch.setattr(module, "record_fields", lambda line, real=real: parses.append(1) or real(line))
+    idx = ReplayIndex(tmp_path, "api")
+    assert parses == []
+    for sid, field in (("s1", "cost must be"), ("s7", "kind")):
+        got = idx.pop(sid)
+        assert isinstance(got, Unreadable) and field in got.reason and str(a) in got.reason
+        assert got.request_digest == "x"  # the engine holds the prompt when it asks this same request
+    assert idx._where["s2"].path == idx._where["s3"].path == b
+    assert isinstance(idx.get("s2"), Record) and isinstance(idx.get("s3"), Record)
+    assert all(idx.get(f"s{i}") is None for i in (4, 5, 6)) and len(idx) == 4
+    assert len(ReplayIndex(tmp_path, "renamed", identity="id1")) == 0  # no identity in the lines: by name
 
 
 def test_a_response_that_no_longer_reads_back_is_unreadable_not_none_and_never_taken(tmp_path):

@@ -24,8 +24,9 @@ failure classes decide which (``http_wire.Failure.failure_class``):
   rest of it for ``budget_wait_max_s`` (a dead actor's reservations lapse with
   its lease, see pipeline.generate.ledger).
 - ``journal``: the response journaled (paid) for this very request cannot be
-  read back (a field of the wrong type, named with the file and line): the row
-  stays not generated, never asked again on its own (``_replay``).
+  read back (a field of the wrong type, named with the file and line; a counted
+  one too, where the line's sample id still reads): the row stays not generated,
+  never asked again on its own (``_replay``).
 
 Every answer shape is an outcome: nothing a request meets fails or orphans its
 siblings in the batch (``run_rows``). A journal that cannot be written halts the
@@ -533,12 +534,13 @@ class HttpEngine:
         """The sample of a response an earlier, killed attempt paid for, when the request would be the same. Its
         ``attempts`` is 0: no request was sent for it in this attempt (the report counts it apart, as replayed).
 
-        A journaled response of this request that cannot be read back (``Unreadable``: a field of the wrong type)
-        is an outcome, as a line with a counted field of the wrong type is (``record_fields``: skipped loudly,
-        never an exception that stops the resume). Unlike that line, this one's counted fields read: its bill is
-        in the restored spend and the prompt is known to be answered, so asking again would pay twice without a
-        word. The row stays not generated, class ``journal``, its reason naming the file, the line and the field;
-        repairing or deleting the line (a re-run then asks, and pays, again) is the user's call."""
+        A journaled response of this request that cannot be read back (``Unreadable``: a field of the wrong type,
+        a replayed one or a counted one, as long as the line's sample id reads: ``replay.ReplayIndex``) is an
+        outcome, never an exception that stops the resume. It was paid for (its bill is in the restored spend as
+        far as it reads), so asking again would pay twice without a word. The row stays not generated, class
+        ``journal``, its reason naming the file, the line and the field; repairing or deleting the line (a
+        re-run then asks, and pays, again) is the user's call. A line in which not even the sample id reads holds
+        no prompt: the index says so loudly (that prompt may be asked, and paid for, again)."""
         rec = self.replay.pop(str(row["sample_id"]), None)
         if isinstance(rec, Unreadable):
             if rec.request_digest not in (None, digest):

@@ -160,6 +160,87 @@ def record_fields(line: bytes | str) -> dict[str, Any]:
     return data
 
 
+def readable_fields(line: bytes | str) -> dict[str, Any]:
+    """What of a line that fails ``record_fields`` still reads: its JSON object (empty when the line is no JSON
+    object at all: torn, foreign, nested past the parser's depth). Never raises; each field is to be checked
+    before use (``unreadable_row``)."""
+    try:
+        data = _loads(line)
+    except (ValueError, TypeError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def unreadable_row(line: bytes | str, start: int, end: int, reason: str, source: str) -> tuple[Any, ...]:
+    """The projected row (``PROJECTION_SCHEMA``) of a line that fails ``record_fields`` (``reason``: why), so that
+    no reader forgets it was there: each counted field that still reads (a value of its column's type), the
+    others blank, and ``unreadable`` the reason.
+
+    ``source``: the source of the file's writer (``{source}-{actor}.jsonl``), for a line whose own does not read.
+    ``kind`` is "" when it does not read (the line may be a response: the replay index holds its prompt). The
+    bill is counted as far as it reads, never under what the provider may have billed: tokens whose field does
+    not read count as the request's whole reservation (``max_tokens`` of its ``sampling``, when that reads) or
+    the billed count if larger, as the engine charges a bill it cannot read; dollars that do not read count 0
+    here (the request's dollar reservation is not journaled: the ledger's journal, which holds every granted
+    reservation before its request goes out, is what a resume restores them from)."""
+    data = readable_fields(line)
+
+    def text(key: str, default: str = "") -> str:
+        value = data.get(key)
+        return value if _is_text(value) else default
+
+    kind = data.get("kind", "response") if data else ""  # absent: a response, as ``record_fields`` reads it
+    kind = kind if isinstance(kind, str) and kind in KINDS else ""
+    at, cost = data.get("at"), data.get("cost")
+    why = (reason or "unreadable").encode("utf-8", "backslashreplace").decode()  # an Arrow string, whatever it says
+    return (text("source", source), text("sample_id"), text("dataset"), kind, text("generation_id"),
+            _charged_bound(data, kind), float(cost) if _is_finite(cost) else 0.0, text("error"), text("identity"),
+            float(at) if _is_finite(at) else 0.0, start, end, why)
+
+
+def _charged_bound(data: Mapping[str, Any], kind: str) -> int:
+    """Tokens to count for a line that fails ``record_fields``: what the writer charged where that reads, else
+    the most its request can have been charged (see ``unreadable_row``)."""
+    if kind == "gave_up":
+        return 0  # no request billed
+    charged, billed = data.get("charged_tokens"), data.get("billed_completion_tokens", 0)
+    if _is_int64(charged):
+        return max(0, charged)
+    if charged is None and _is_int64(billed) and billed >= 0:
+        return billed  # the writer charges what was billed when it says nothing else (``projected_row``)
+    reserved = 0
+    sampling = data.get("sampling")
+    if _is_text(sampling):
+        try:
+            asked = json.loads(sampling)
+        except (ValueError, RecursionError):
+            asked = None
+        if isinstance(asked, dict) and _is_int64(asked.get("max_tokens")):
+            reserved = max(0, asked["max_tokens"])
+    return max(reserved, billed if _is_int64(billed) else 0)
+
+
+def file_source(path: str | Path) -> str:
+    """The source whose actor writes journal file ``path`` (``RunLayout.response_journal``: ``{source}-{actor}``,
+    the actor a hex id)."""
+    return Path(path).stem.rsplit("-", 1)[0]
+
+
+def unreadable_warning(path: str | Path, start: int, why: str, sample_id: str, dataset: str, kind: str) -> str:
+    """The warning for a line of ``path`` at byte ``start`` that fails ``record_fields`` (``why``; the other
+    arguments: its ``unreadable_row``'s fields): what becomes of it."""
+    bill = "its bill counted as far as it reads" if dataset else "its bill not counted (no dataset reads in it)"
+    if not sample_id:
+        return (f"{path}: skipping the unreadable line at byte {start} ({why}): no sample id reads in it, so if it "
+                f"was a paid response its prompt may be asked (and paid for) again; {bill}; repair the line to "
+                "keep it")
+    head = f"{path}: the line at byte {start} does not read ({why})"
+    if kind in ("response", ""):
+        return (f"{head}: its prompt {sample_id} is held as paid (left to do, class journal), not asked again on "
+                f"its own; {bill}")
+    return f"{head}: {bill}"
+
+
 def replay_fields(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` (a line's ``record_fields``) with the fields a replay reads checked too: the answer's text, tool
     calls and the figures that go into the sample row (ValueError naming the first of the wrong type).
@@ -233,14 +314,17 @@ _REPLAY_OPTIONAL_TEXT = ("reasoning", "content", "native_finish_reason")
 # -- the projection: the fields a resume and ``status`` count, kept beside each file ----------------------------
 # (read by ``totals``; written by a file's writer when idle and by a reader that parsed the file)
 
-PROJECTION_VERSION = 2  # 2: identity, at and each line's byte span (the replay index reads them)
+# 2: identity, at and each line's byte span (the replay index reads them); 3: the lines that do not read, as rows
+# with ``unreadable`` set (``unreadable_row``): a projection that left them out forgot a paid prompt
+PROJECTION_VERSION = 3
 PROJECTION_META = b"pipeline.journal_projection"
 PROJECTION_DIR = ".totals"
 DIGEST_BYTES = 4096  # the bytes before the offset that must still be there for a projection to hold
 PROJECTION_SCHEMA = pa.schema([("source", pa.string()), ("sample_id", pa.string()), ("dataset", pa.string()),
                                ("kind", pa.string()), ("generation_id", pa.string()), ("charged", pa.int64()),
                                ("cost", pa.float64()), ("error", pa.string()), ("identity", pa.string()),
-                               ("at", pa.float64()), ("start", pa.int64()), ("end", pa.int64())])
+                               ("at", pa.float64()), ("start", pa.int64()), ("end", pa.int64()),
+                               ("unreadable", pa.string())])  # "" for a line that reads; else why it does not
 PROJECTION_CHUNK = 65_536  # rows a writer holds as Python before they become an Arrow batch
 
 
@@ -258,7 +342,7 @@ def projected_row(rec: Mapping[str, Any], start: int, end: int) -> tuple[Any, ..
     return (rec["source"], rec["sample_id"], rec["dataset"], rec.get("kind", "response"),
             str(rec.get("generation_id") or ""), max(0, int(charged)), float(rec.get("cost") or 0.0),
             str(rec.get("error") or ""), str(rec.get("identity") or ""),
-            float(at) if isinstance(at, int | float) and not isinstance(at, bool) else 0.0, start, end)
+            float(at) if isinstance(at, int | float) and not isinstance(at, bool) else 0.0, start, end, "")
 
 
 def projection_batch(rows: list[tuple[Any, ...]]) -> pa.RecordBatch:
@@ -369,7 +453,7 @@ class ResponseJournal:
             self._rows.append((record.source, record.sample_id, record.dataset, record.kind,
                                record.generation_id or "", record.charged, float(record.cost or 0.0),
                                record.error or "", record.identity or "", float(record.at), self._bytes,
-                               self._bytes + len(line) - 1))
+                               self._bytes + len(line) - 1, ""))
             self._bytes += len(line)
             if len(self._rows) >= PROJECTION_CHUNK:
                 self._batches.append(projection_batch(self._rows))
@@ -474,7 +558,7 @@ def iter_journal(path: str | Path, parse: Callable[[bytes], T] = Record.from_jso
             continue
         try:
             yield parse(line)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:  # RecursionError: the stdlib parser, nested deep
             if i == last:
                 log.info("journal %s: skipping a torn last line (%d bytes)", path, len(line))
             else:

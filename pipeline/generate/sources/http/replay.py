@@ -15,7 +15,11 @@ record replayed is parsed whole when it is taken (``get``).
 
 A response indexed for a prompt that cannot be read back whole (a field of the wrong type, a file gone) was
 still paid for: ``get`` gives :class:`Unreadable`, naming the file, the line and the field, and the engine
-leaves that prompt to do rather than ask, and pay, a second time (``HttpEngine._replay``).
+leaves that prompt to do rather than ask, and pay, a second time (``HttpEngine._replay``). So is a line whose
+counted fields themselves do not read (``record_fields`` refuses it) where its sample id still does and it may
+be a response of this source (``journal.unreadable_row``): that prompt is indexed, and held, as well. A readable
+response of the same prompt wins over it whatever their times. A line in which no sample id reads holds
+nothing: it is said, loudly, each time a file is indexed (its prompt may be asked, and paid for, again).
 """
 
 from __future__ import annotations
@@ -28,8 +32,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.generate.sources.http.journal import Record, journal_files, record_fields
-from pipeline.generate.sources.http.totals import projection_to
+from pipeline.generate.sources.http.journal import (
+    PROJECTION_SCHEMA,
+    Record,
+    file_source,
+    journal_files,
+    readable_fields,
+    record_fields,
+    unreadable_row,
+    unreadable_warning,
+)
+from pipeline.generate.sources.http.totals import projection_to, warn_unreadable
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +64,7 @@ class _Where:
     start: int
     end: int
     at: float
+    readable: bool = True  # False: its counted fields did not read when indexed (``get`` gives Unreadable)
 
 
 @dataclass
@@ -99,25 +113,32 @@ class ReplayIndex:
             log.warning("replay index: cannot read %s: %s", path, e)
             return 0
         table = table.filter(self._wanted_rows(table))
-        for sid, at, start, end in zip(*(table.column(c).to_pylist() for c in ("sample_id", "at", "start", "end")),
-                                       strict=True):
-            self._note(sid, path, start, end, at)
+        warn_unreadable(path, table, "replay index: journal")
+        table = table.filter(pc.not_equal(table["sample_id"], ""))
+        for sid, at, start, end, why in zip(*(table.column(c).to_pylist()
+                                              for c in ("sample_id", "at", "start", "end", "unreadable")),
+                                            strict=True):
+            self._note(sid, path, start, end, at, not why)
         self._scanned[path] = offset
         return table.num_rows
 
     def _wanted_rows(self, table: pa.Table) -> pa.Array:
-        """``_wanted`` over a projection's columns."""
-        response = pc.equal(table["kind"], "response")
+        """``_wanted`` over a projection's columns (a line that does not read, whose kind does not either, may be
+        a response)."""
+        response = pc.or_(pc.equal(table["kind"], "response"),
+                          pc.and_(pc.equal(table["kind"], ""), pc.not_equal(table["unreadable"], "")))
         if not self.identity:
             return pc.and_(response, pc.equal(table["source"], self.source))
         by_identity = pc.if_else(pc.not_equal(table["identity"], ""), pc.equal(table["identity"], self.identity),
                                  pc.equal(table["source"], self.source))
         return pc.and_(response, by_identity)
 
-    def _note(self, sample_id: str, path: Path, start: int, end: int, at: float) -> None:
+    def _note(self, sample_id: str, path: Path, start: int, end: int, at: float, readable: bool = True) -> None:
+        """Index the latest response of a prompt; one that reads wins over one that does not, whatever the times
+        (the readable one replays: nothing is paid twice)."""
         seen = self._where.get(sample_id)
-        if seen is None or at >= seen.at:
-            self._where[sample_id] = _Where(path, start, end, at)
+        if seen is None or (readable, at) >= (seen.readable, seen.at):
+            self._where[sample_id] = _Where(path, start, end, at, readable)
 
     def _scan(self, path: Path, start: int, size: int, chunk: int = 8 << 20) -> int:
         """Index whole lines in [start, size), ``chunk`` bytes at a time (a journal of long reasoning answers
@@ -147,9 +168,9 @@ class ReplayIndex:
             if line.strip():
                 try:
                     rec = record_fields(line)
-                except (ValueError, TypeError) as e:  # a torn line healed by a newline, or a foreign one
-                    log.warning("replay index: skipping the unreadable line at byte %d of %s: %s", offset + at,
-                                path, e)
+                except (ValueError, TypeError, RecursionError) as e:  # a torn line healed by a newline, a
+                    # foreign one, a field of the wrong type; RecursionError: the stdlib parser, nested deep
+                    n += self._index_unreadable(path, line, offset + at, offset + nl, str(e))
                     rec = None
                 if rec is not None and self._wanted(rec):
                     when = rec.get("at")
@@ -158,6 +179,20 @@ class ReplayIndex:
                     n += 1
             at = nl + 1
         return n
+
+    def _index_unreadable(self, path: Path, line: bytes, start: int, end: int, why: str) -> int:
+        """A line ``record_fields`` refuses that may be a response of this source: said loudly, and its prompt
+        indexed as unreadable (held) where its sample id reads; returns how many it indexed."""
+        row = dict(zip(PROJECTION_SCHEMA.names, unreadable_row(line, start, end, why, file_source(path)),
+                       strict=True))
+        sid = row["sample_id"]
+        if not self._wanted({**row, "kind": row["kind"] or "response"}):
+            return 0  # another source's, or not a response: no prompt of this source to hold (totals say it)
+        log.warning("replay index: journal %s", unreadable_warning(path, start, why, sid, row["dataset"], row["kind"]))
+        if not sid:
+            return 0
+        self._note(sid, path, start, end, row["at"], False)
+        return 1
 
     def _wanted(self, rec: dict) -> bool:
         """A response of this source (``rec``: a line's ``record_fields``): by identity when both sides have one
@@ -202,12 +237,9 @@ class ReplayIndex:
 
 
 def _digest_of(line: bytes) -> str | None:
-    """The ``request_digest`` of a journal line that does not parse as a ``Record``, when that field reads."""
-    try:
-        data = record_fields(line)
-    except (ValueError, TypeError, RecursionError):
-        return None
-    digest = data.get("request_digest")
+    """The ``request_digest`` of a journal line that does not parse as a ``Record``, when that field reads
+    (whatever else does not: a counted field of the wrong type included)."""
+    digest = readable_fields(line).get("request_digest")
     return digest if isinstance(digest, str) else None
 
 

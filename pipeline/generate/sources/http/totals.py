@@ -4,7 +4,8 @@ Each journal file is append-only (one writer, ``journal.ResponseJournal``), ~770
 text; at 200,000 records a parse took ~2 s of one core on every resume and every ``status``. Beside each file,
 ``responses/.totals/{file}.parquet`` keeps the few fields the counts need (source, sample id, dataset, kind,
 generation id, charged tokens, cost, error) and the replay index needs (identity, time, each line's byte span:
-``replay.ReplayIndex``) for the file's bytes up to its last whole line, with that offset and a
+``replay.ReplayIndex``) for the file's bytes up to its last whole line (a line that does not read is a row too,
+with what of it still reads and why: ``journal.unreadable_row``, said by every reader), with that offset and a
 digest of the bytes before it: the file's writer stores it when idle (the HTTP source's idle close, so a finished
 run leaves it), and a reader that parsed more of the file stores its own. A reader takes the projection while the
 file still holds those bytes (same inode, at least as long, the same bytes before the offset) and parses only what
@@ -29,6 +30,7 @@ from pipeline.generate.sources.http.journal import (
     PROJECTION_META,
     PROJECTION_SCHEMA,
     PROJECTION_VERSION,
+    file_source,
     journal_files,
     projected_row,
     projection_batch,
@@ -36,6 +38,8 @@ from pipeline.generate.sources.http.journal import (
     record_fields,
     store_projection,
     tail_digest,
+    unreadable_row,
+    unreadable_warning,
 )
 
 log = logging.getLogger(__name__)
@@ -59,18 +63,29 @@ def _table(rows: list[tuple[Any, ...]]) -> pa.Table:
 
 
 def _parse(path: Path, data: bytes, start: int) -> list[tuple[Any, ...]]:
-    """The projected rows of whole lines ``data`` (read from byte ``start`` of ``path``); a bad line is skipped
-    loudly, as ``journal.iter_journal`` skips it."""
+    """The projected rows of whole lines ``data`` (read from byte ``start`` of ``path``); a line that does not
+    read is a row too, with what of it still reads and why it does not (``journal.unreadable_row``): its readers
+    say so each time they read it (``warn_unreadable``), and the replay index holds its prompt as paid."""
     rows = []
     at = start
+    source = file_source(path)
     for line in data.split(b"\n"):
         if line.strip():
             try:
                 rows.append(projected_row(record_fields(line), at, at + len(line)))
-            except (ValueError, TypeError) as e:
-                log.warning("journal %s: skipping the unreadable line at byte %d: %s", path, at, e)
+            except (ValueError, TypeError, RecursionError) as e:  # RecursionError: the stdlib parser, nested deep
+                rows.append(unreadable_row(line, at, at + len(line), str(e), source))
         at += len(line) + 1
     return rows
+
+
+def warn_unreadable(path: Path, table: pa.Table, where: str = "journal") -> None:
+    """Log, loudly, each line of journal ``path`` that does not read (``table``: rows of its projection), and
+    what becomes of it (``journal.unreadable_warning``)."""
+    bad = table.filter(pc.not_equal(table.column("unreadable"), ""))
+    for sid, dataset, kind, start, why in zip(*(bad.column(c).to_pylist() for c in (
+            "sample_id", "dataset", "kind", "start", "unreadable")), strict=True):
+        log.warning("%s %s", where, unreadable_warning(path, start, why, sid, dataset, kind))
 
 
 def _cached(cache: Path, fh: Any, st: os.stat_result) -> tuple[pa.Table, int] | None:
@@ -128,21 +143,29 @@ def projection_to(path: Path) -> tuple[pa.Table, int]:
 
 
 def totals_of(table: pa.Table) -> JournalTotals:
-    """``JournalTotals`` of one source's projected rows (its files' in order)."""
-    index = pa.array(range(table.num_rows), pa.int64())
-    generation = table.column("generation_id")
+    """``JournalTotals`` of one source's projected rows (its files' in order). A line that does not read counts
+    as far as it does (``journal.unreadable_row``): its bill where its dataset reads (a bill no dataset reads in
+    cannot be put on a budget: ``warn_unreadable`` says so), its prompt as answered (or given up on) where its
+    sample id reads and its kind is that one or does not read."""
+    readable = pc.equal(table.column("unreadable"), "")
+    held = pc.and_(pc.invert(readable), pc.not_equal(table.column("sample_id"), ""))
+    kind = table.column("kind")
+    bills = table.filter(pc.or_(readable, pc.not_equal(table.column("dataset"), "")))
+    index = pa.array(range(bills.num_rows), pa.int64())
+    generation = bills.column("generation_id")
     named = pc.not_equal(generation, "")
     firsts = pa.table({"g": generation, "i": index}).filter(named).group_by("g", use_threads=False).aggregate(
         [("i", "min")]).column("i_min")
-    counted = table.filter(pc.or_(pc.invert(named), pc.is_in(index, value_set=firsts)))
+    counted = bills.filter(pc.or_(pc.invert(named), pc.is_in(index, value_set=firsts)))
     sums = counted.group_by("dataset", use_threads=False).aggregate([("charged", "sum"), ("cost", "sum")])
     billed = dict(zip(sums.column("dataset").to_pylist(), sums.column("charged_sum").to_pylist(), strict=True))
     cost = dict(zip(sums.column("dataset").to_pylist(), sums.column("cost_sum").to_pylist(), strict=True))
     gave_up: dict[str, tuple[int, str]] = {}
-    for sid, error in zip(*(table.filter(pc.equal(table.column("kind"), "gave_up")).column(c).to_pylist()
-                            for c in ("sample_id", "error")), strict=True):
+    gave = pc.and_(pc.equal(kind, "gave_up"), pc.or_(readable, held))
+    for sid, error in zip(*(table.filter(gave).column(c).to_pylist() for c in ("sample_id", "error")), strict=True):
         gave_up[sid] = (gave_up.get(sid, (0, ""))[0] + 1, error)
-    answered = table.filter(pc.equal(table.column("kind"), "response"))
+    answered = table.filter(pc.or_(pc.and_(pc.equal(kind, "response"), pc.or_(readable, held)),
+                                   pc.and_(held, pc.equal(kind, ""))))
     responded = dict(zip(answered.column("sample_id").to_pylist(), answered.column("dataset").to_pylist(),
                          strict=True))
     return JournalTotals(billed, cost, gave_up, responded)
@@ -162,6 +185,8 @@ def journal_totals(folder: str | Path, source: str) -> JournalTotals:
     if cached is not None and cached[0] == signature:
         return cached[1]
     tables = [file_projection(p) for p in files]
+    for path, t in zip(files, tables, strict=True):
+        warn_unreadable(path, t.filter(pc.equal(t.column("source"), source)))
     table = pa.concat_tables(tables) if tables else _table([])
     totals = totals_of(table.filter(pc.equal(table.column("source"), source)))  # "a-*" also matches "a-b"'s
     _TOTALS[key] = (signature, totals)
