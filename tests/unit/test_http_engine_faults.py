@@ -434,3 +434,22 @@ def test_irregular_successes_are_samples_with_their_reasoning_and_a_safe_bill(pr
     assert d["spent"] == (4 * 32 if fault == "no-usage" else billed), d  # 32: max_tokens, the reservation
     for name, st in ledger.report()["providers"].items():  # the text was rebuilt to what was billed
         assert st["invalid"] == 0 and not st["mean_abs_billing_drift"], (name, st)
+
+
+def test_a_prompt_nested_deeper_than_the_request_writer_takes_is_quarantined_unsent(profile):
+    """Tools nested 300 levels deep read (orjson reads 1,024, a .json list file has no cap of its own) but orjson
+    writes only 254: the prompt cannot be sent, on any run. It is quarantined as its own fault, no request made;
+    it was an internal error, left to do on every run."""
+    deep: dict = {"type": "string"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"x": deep}}
+    tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": deep}}])
+    rows = rows_(3)
+    rows[1]["tools"] = tools
+    with serve_in_thread(ServerConfig(seed=21), CannedBackend(1, profile)) as (url, server):
+        out = run(OpenRouterGenerator(cfg_(url, send_tools=True), "deepseek", None, Ledger({"d": 10_000})), rows)
+        counts = dict(server.counts)
+    bad = out["d:1"]
+    assert bad["status"] == "quarantined" and bad["failure_class"] == "sample" and bad["attempts"] == 0, bad
+    assert bad["error"].startswith("prompt cannot be sent"), bad["error"]
+    assert [out[i]["status"] for i in ("d:0", "d:2")] == ["ok", "ok"] and counts["requests"] == 2, counts

@@ -294,7 +294,11 @@ class HttpEngine:
             messages = loads(row["messages"]) if isinstance(row["messages"], str) else row["messages"]
             tools_raw = row.get("tools") or ""
             tools = loads(tools_raw) if isinstance(tools_raw, str) and tools_raw else (tools_raw or None)
-            digest = request_digest(build_request(messages, tools, thinking, self.opts))
+            body = build_request(messages, tools, thinking, self.opts)
+            digest = request_digest(body)
+            # what ``_attempt`` sends: a body orjson cannot write (nested past its 254 levels) fails here, unsent
+            # and its own fault, not as an internal error that leaves it to do on every run
+            dumps(body)
         except (ValueError, TypeError, RecursionError) as e:
             return self._unsendable(row, e)
         replayed = self._replay(row, digest, thinking)
