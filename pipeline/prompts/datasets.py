@@ -72,6 +72,23 @@ class Unreadable:
         return f"<unreadable {self.type}: {self.why}>"
 
 
+# How much of a value from the row a quarantine reason quotes (a role of a megabyte was repeated in full in every
+# reason); ``raw`` keeps the row itself (its first ``RAW_CHARS`` characters).
+QUOTE_CHARS = 200
+REASON_CHARS = 1000
+RAW_CHARS = 4000
+
+
+def _clip(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, an ellipsis marking a cut."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _quote(value: Any) -> str:
+    """A value of the row as a reason quotes it: its repr, cut to ``QUOTE_CHARS`` characters."""
+    return _clip(repr(value))
+
+
 def _column(row: dict[str, Any], columns: dict[str, str], field: str, required: bool = True) -> Any:
     col = columns[field]
     if col not in row or row[col] is None:
@@ -79,7 +96,7 @@ def _column(row: dict[str, Any], columns: dict[str, str], field: str, required: 
             raise RowError(f"missing column {col!r}")
         return None
     if isinstance(row[col], Unreadable):
-        raise RowError(f"column {col!r} holds a {row[col].type} value that cannot be read: {row[col].why}")
+        raise RowError(f"column {col!r} holds a {row[col].type} value that cannot be read: {_clip(row[col].why)}")
     return row[col]
 
 
@@ -120,6 +137,12 @@ def _check_depth(text: str) -> None:
     brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
     if max(accumulate(1 if c in "[{" else -1 for c in brackets), default=0) > MAX_DEPTH:
         raise ValueError(f"nested too deeply (more than {MAX_DEPTH} levels)")
+
+
+def _check_depth_at(text: str, start: int, end: int) -> None:
+    """``_check_depth`` of ``text[start:end]``, copying it only when it may be too deep."""
+    if text.count("[", start, end) + text.count("{", start, end) > MAX_DEPTH:
+        _check_depth(text[start:end])
 
 
 def _loads(text: str) -> Any:
@@ -172,9 +195,12 @@ def _norm_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
-                _loads(args or "{}")
+                value = _loads(args or "{}")
             except (ValueError, RecursionError):  # a JSONDecodeError, a too-long integer or too-deep nesting
                 raise RowError(f"message {i} tool call {j} arguments are not valid JSON") from None
+            if not isinstance(value, dict):  # OpenAI's arguments are an object's JSON; a template reads its keys
+                raise RowError(f"message {i} tool call {j} arguments must be a JSON object, got "
+                               f"{_JSON_TYPES.get(type(value), 'null')}")
             args = args or "{}"
         elif isinstance(args, dict):
             try:  # a Parquet file can hold values JSON has no form for (a date, bytes)
@@ -211,13 +237,15 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         if role is not None and not isinstance(role, str):  # a list or an object is not even hashable
             raise RowError(f"message {i} role must be a string, got {type(role).__name__}")
         if role not in ROLES:
-            raise RowError(f"message {i} has unknown role {role!r}")
+            raise RowError(f"message {i} has unknown role {_quote(role)}")
         content = m.get("content")
         if content is not None and not isinstance(content, str):
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
                 content = "".join(_part_text(p, i, j) for j, p in enumerate(content))
             else:
                 raise RowError(f"message {i} content must be text")
+        if content is None and role != "assistant":  # an assistant's may be null: it made tool calls, or is dropped
+            raise RowError(f"message {i} is a {role} message without content")
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.get("tool_calls"):
             if role != "assistant":
@@ -233,6 +261,9 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     # The response is what we generate: drop trailing assistant turns.
     while out and out[-1]["role"] == "assistant":
         out.pop()
+    for i, m in enumerate(out):  # OpenAI's format: an assistant message has content, tool_calls or both
+        if m["content"] is None and not m.get("tool_calls"):
+            raise RowError(f"message {i} is an assistant message with neither content nor tool_calls")
     if not any(m["role"] == "user" for m in out):
         raise RowError("conversation has no user message to respond to")
     if out[-1]["role"] not in ("user", "tool"):
@@ -259,7 +290,9 @@ def _parse_sharegpt(row: dict[str, Any], cols: dict[str, str]) -> Prompt:
             raise RowError(f"turn {i} needs 'from' and 'value'")
         role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
         if role is None:
-            raise RowError(f"turn {i} has unknown speaker {turn['from']!r}")
+            raise RowError(f"turn {i} has unknown speaker {_quote(turn['from'])}")
+        if turn["value"] is None and role != "assistant":  # a null gpt turn at the end is dropped as any other
+            raise RowError(f"turn {i} ({_quote(turn['from'])}) has no value")
         messages.append({"role": role, "content": turn["value"]})
     tools = _norm_tools(_column(row, cols, "tools", required=False))
     return Prompt(_check_messages(messages), tools)
@@ -378,13 +411,14 @@ def sample_id(dataset: str, row_index: int, prompt: Prompt) -> str:
                            allow_nan=False).encode()
     except UnicodeEncodeError as e:
         bad = e.object[e.start:e.end]
-        raise RowError(f"{_unwritable(prompt)} holds a lone surrogate ({bad!r}), not valid Unicode") from None
+        raise RowError(f"{_unwritable(prompt)} holds a lone surrogate ({_quote(bad)}), not valid Unicode") from None
     except (TypeError, ValueError) as e:
         raise RowError(f"{_unwritable(prompt)} cannot be written as JSON: {e}") from None
     return f"{dataset}:{row_index}:{hashlib.sha256(canon).hexdigest()[:12]}"
 
 
-_JSON_TYPES = {dict: "an object", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean"}
 _JSON_OPENERS = {"{": "an object", '"': "a string", "t": "a boolean", "f": "a boolean", "n": "null"}
 _CHUNK = 1 << 20  # bytes a JSONL file is read in: memory is a chunk and one line, whatever the file's size
 
@@ -472,11 +506,76 @@ def _parquet_rows(path: Path, want: Collection[int] | None = None) -> Iterator[t
         raise _not_parquet(path, e) from None
 
 
+# The heads of files that are no UTF-8 text (an export compressed, or PowerShell's ``>``, which writes UTF-16): read
+# as JSONL each line would be quarantined as garbage, so such a file is refused whole, naming what it is.
+_NOT_UTF8 = [
+    (codecs.BOM_UTF32_LE, "is UTF-32: save it as UTF-8"),  # before UTF-16's, which begins it
+    (codecs.BOM_UTF32_BE, "is UTF-32: save it as UTF-8"),
+    (codecs.BOM_UTF16_LE, "is UTF-16: save it as UTF-8"),
+    (codecs.BOM_UTF16_BE, "is UTF-16: save it as UTF-8"),
+    (b"\x1f\x8b", "is gzip-compressed: decompress it"),
+    (b"\x28\xb5\x2f\xfd", "is zstd-compressed: decompress it"),
+    (b"\xfd7zXZ\x00", "is xz-compressed: decompress it"),
+]
+_BZIP2 = re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)")
+_HEAD = 10  # bytes the longest of those heads takes
+
+
+def _check_head(path: Path, head: bytes) -> None:
+    """A DatasetError for a JSON or JSONL file whose first bytes say it is compressed or not UTF-8 (no UTF-8 text,
+    so no JSON, begins with them)."""
+    why = next((why for magic, why in _NOT_UTF8 if head.startswith(magic)), None)
+    if why is None and _BZIP2.match(head):
+        why = "is bzip2-compressed: decompress it"
+    if why is not None:
+        raise DatasetError(f"{path}: {why}")
+
+
+_WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, as json.loads skips it
+_JSON_TOKEN = re.compile(rf"{_JSON_STRING.pattern}|[\[\]{{}}]")
+# Reads over a value only to find its end: any number, no object kept.
+_SKIP = json.JSONDecoder(parse_int=len, parse_float=len, parse_constant=len, object_pairs_hook=lambda _: None)
+
+
+def _syntax_error(path: Path, text: str, e: json.JSONDecodeError) -> DatasetError:
+    """The file's first syntax error, as json.loads names it (``e`` where that parse cannot get there)."""
+    try:
+        _SKIP.decode(text)
+    except json.JSONDecodeError as first:
+        e = first
+    except (ValueError, RecursionError):
+        pass
+    hint = "; one JSON value per line? name the file .jsonl" if e.msg == "Extra data" else ""
+    return DatasetError(f"{path}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno}{hint})")
+
+
+def _value_end(path: Path, text: str, start: int) -> int:
+    """Where the JSON value at ``start`` ends, read past whatever the strict parse refused in it (NaN, a too-long
+    integer); a value too deep for json's recursion is followed by its brackets."""
+    try:
+        return _SKIP.raw_decode(text, start)[1]
+    except json.JSONDecodeError as e:
+        raise _syntax_error(path, text, e) from None
+    except RecursionError:
+        pass
+    depth = 0
+    for m in _JSON_TOKEN.finditer(text, start):
+        depth += 1 if m[0] in "[{" else -1 if m[0] in "]}" else 0
+        if depth == 0:
+            return m.end()
+    raise _syntax_error(path, text, json.JSONDecodeError("Unterminated array or object", text, start))
+
+
 def _json_rows(path: Path, data: bytes, keep: bool = True) -> list[Any]:
     """The rows of a .json file, which holds one list; a whitespace-only file is empty, not broken.
 
+    Each row is read by the rule a JSONL line is (``_loads``): one with NaN, Infinity, a number past a float's
+    range, a too-long integer or nesting past ``MAX_DEPTH`` anywhere in it is a RowError in its place (its text
+    the ``raw``), as its line in a JSONL file would be; the file's syntax is the file's (a DatasetError).
+
     ``keep=False`` checks the file the same way (same errors, same row count) but keeps no row: every JSON
     object parses to None as soon as it is read (``count_rows`` and ``check_dataset`` hold no rows)."""
+    _check_head(path, data[:_HEAD])
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -484,18 +583,44 @@ def _json_rows(path: Path, data: bytes, keep: bool = True) -> list[Any]:
         raise DatasetError(f"{path}: not valid UTF-8 at line {line}: {e.reason}") from None
     if not text.strip():
         return []
-    try:
-        rows = json.loads(text) if keep else json.loads(text, object_pairs_hook=lambda _: None)
-    except json.JSONDecodeError as e:
-        hint = "; one JSON value per line? name the file .jsonl" if e.msg == "Extra data" else ""
-        raise DatasetError(f"{path}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno}{hint})") from None
-    except (ValueError, RecursionError) as e:
-        raise DatasetError(f"{path}: not valid JSON: {_json_refusal(e)}") from None
-    if not isinstance(rows, list):
-        found = _JSON_TYPES.get(type(rows), "null")
-        if not keep:  # an object read as None: its first character says what it was
-            found = _JSON_OPENERS.get(text.lstrip()[0], found)
+    at = _WS.match(text).end()
+    if not text.startswith("[", at):
+        try:
+            _SKIP.decode(text)
+        except json.JSONDecodeError as e:
+            raise _syntax_error(path, text, e) from None
+        except (ValueError, RecursionError) as e:
+            raise DatasetError(f"{path}: not valid JSON: {_json_refusal(e)}") from None
+        found = _JSON_OPENERS.get(text[at], "a number")
         raise DatasetError(f"{path}: a .json dataset must hold a list of rows, found {found}")
+    dec = json.JSONDecoder(**STRICT) if keep else json.JSONDecoder(object_pairs_hook=lambda _: None, **STRICT)
+    rows: list[Any] = []
+    line, counted = 1, 0  # the line a refused row starts on, counted from where the last one started
+    at = _WS.match(text, at + 1).end()
+    while not (not rows and text.startswith("]", at)):
+        start = at
+        try:
+            row, at = dec.raw_decode(text, start)
+            _check_depth_at(text, start, at)
+        except json.JSONDecodeError as e:
+            raise _syntax_error(path, text, e) from None
+        except (ValueError, RecursionError) as e:  # the rule a JSONL line is read by: this row's fault
+            at = _value_end(path, text, start)
+            line, counted = line + text.count("\n", counted, start), start
+            why = f"nested too deeply (more than {MAX_DEPTH} levels)" if isinstance(e, RecursionError) \
+                else _json_refusal(e)
+            row = RowError(f"row is not valid JSON ({path.name} line {line}): {why}")
+            row.raw = text[start:at]
+        rows.append(row)
+        at = _WS.match(text, at).end()
+        if not text.startswith(",", at):
+            break
+        at = _WS.match(text, at + 1).end()
+    if not text.startswith("]", at):
+        raise _syntax_error(path, text, json.JSONDecodeError("Expecting ',' delimiter", text, at))
+    at = _WS.match(text, at + 1).end()
+    if at != len(text):
+        raise _syntax_error(path, text, json.JSONDecodeError("Extra data", text, at))
     return rows
 
 
@@ -524,16 +649,23 @@ def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
 
 def _file_chunks(path: Path, size: int = _CHUNK) -> Iterator[bytes]:
     """The file's bytes in chunks, a leading UTF-8 BOM dropped (editors on Windows write one; json.loads
-    refuses it)."""
+    refuses it). A file that begins as a compressed or UTF-16 one does is a DatasetError (``_check_head``)."""
     _check_file(path)
     try:
         with path.open("rb") as f:
-            head = f.read(len(codecs.BOM_UTF8))
+            head = f.read(_HEAD)
+            _check_head(path, head)
             yield head.removeprefix(codecs.BOM_UTF8)
             while chunk := f.read(size):
                 yield chunk
     except OSError as e:
         raise _unreadable(path, e) from None
+
+
+def _line_text(line: bytes) -> str:
+    """A JSONL line's text, a UTF-8 BOM at its start dropped: files that each began with one, joined with
+    ``cat``, have one at the start of a later line (a row, as it was in its own file)."""
+    return line.decode("utf-8").removeprefix("\ufeff")
 
 
 def _jsonl_rows(path: Path, lines: Iterator[bytes],
@@ -548,7 +680,7 @@ def _jsonl_rows(path: Path, lines: Iterator[bytes],
             return
         where = f"{path.name} line {lineno}"
         try:
-            text = line.decode("utf-8")
+            text = _line_text(line)
         except UnicodeDecodeError as e:
             if want is None or index in want:
                 yield index, _bad_line(f"line is not valid UTF-8 ({where}): {e.reason} at byte {e.start}", line)
@@ -604,8 +736,8 @@ def _bad_row(cfg: DatasetConfig, index: int, raw: Any, e: RowError) -> dict[str,
     digest = hashlib.sha256(json.dumps(raw, default=str, sort_keys=True).encode()).hexdigest()[:12]
     return {
         "sample_id": f"{cfg.name}:{index}:{digest}", "dataset": cfg.name, "row_index": index,
-        "stage": "read", "reason": _utf8_safe(f"malformed row: {e}"),
-        "raw": _utf8_safe(json.dumps(raw, default=str, ensure_ascii=False))[:4000],
+        "stage": "read", "reason": _utf8_safe(_clip(f"malformed row: {e}", REASON_CHARS)),
+        "raw": _utf8_safe(json.dumps(raw, default=str, ensure_ascii=False))[:RAW_CHARS],
     }
 
 
@@ -670,9 +802,10 @@ def _parquet_footer_rows(path: Path) -> int:
 
 def check_dataset(cfg: DatasetConfig) -> None:
     """Raise the DatasetError reading the file would raise, cheaply and holding no row: a folder or a missing
-    file, a JSONL file that cannot be opened, a Parquet footer that does not read, a .json file that is not
-    one valid JSON list. A driver calls it before Ray starts; the readers in the workers raise the same
-    errors, so they only meet what changed since (or a Parquet file corrupt past its footer)."""
+    file, a JSONL file that cannot be opened or begins as a compressed or UTF-16 file does, a Parquet footer that
+    does not read, a .json file that is not one valid JSON list. A driver calls it before Ray starts; the readers
+    in the workers raise the same errors, so they only meet what changed since (or a Parquet file corrupt past its
+    footer)."""
     path = Path(cfg.path)
     if _kind(path) == ".parquet":
         _parquet_footer_rows(path)
@@ -681,7 +814,8 @@ def check_dataset(cfg: DatasetConfig) -> None:
     else:
         _check_file(path)
         try:
-            path.open("rb").close()
+            with path.open("rb") as f:
+                _check_head(path, f.read(_HEAD))
         except OSError as e:
             raise _unreadable(path, e) from None
 
@@ -701,7 +835,7 @@ def count_rows(cfg: DatasetConfig, warn: bool = True) -> int:
             if n >= cap:
                 break
             try:
-                n += bool(line.decode("utf-8").strip())
+                n += bool(_line_text(line).strip())
             except UnicodeDecodeError:
                 n += 1  # a line that is not UTF-8 is a (malformed) row
     n = int(min(n, cap))

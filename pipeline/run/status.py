@@ -72,7 +72,8 @@ def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]
         journaled = totals.billed
         if written is None:
             written = set(samples.column("sample_id").to_pylist())
-        # paid for, not yet written (a killed attempt's): a re-run rebuilds these without paying again
+        # paid for, not yet written (a killed attempt's): a re-run rebuilds these without paying again, or holds one
+        # whose journal line does not read back (class journal)
         unwritten = Counter(dataset for sid, dataset in totals.responded.items() if sid not in written)
         datasets = sorted(set(billed) | set(committed) | set(committed_usd) | set(src.budgets)
                           | set(src.budgets_usd) | set(journaled))
@@ -205,7 +206,8 @@ def format_status(s: dict[str, Any]) -> str:
                          f"samples, {v['billed_in_journal']} billed in the response journal, {_caps(v)}")
             if v["paid_responses_not_written"]:
                 lines.append(f"    {'':<16} {v['paid_responses_not_written']} paid responses not yet written "
-                             "(a re-run uses them without paying again)")
+                             "(a re-run uses them without paying again; one whose journal line does not read "
+                             "back is held, class journal, never paid twice)")
             if v["held_by_killed_requests"]:
                 lines.append(f"    {'':<16} {v['held_by_killed_requests']} tokens held by requests in flight when "
                              "an attempt was killed (they may have been billed)")
