@@ -21,7 +21,8 @@ fcntl byte-range locks on NFS, so it holds across hosts there too):
 
 - the heartbeat writes its new record to a temp file, then under the guard
   re-reads the lock, compares the token and only then renames over it;
-- breaking a stale lock (move aside, compare, maybe restore) happens under it;
+- breaking a stale lock (move aside, compare, maybe restore) happens under it, and so do creating a lock
+  where none is and a new holder's settling re-read, so neither lands in a breaker's move-and-restore;
 - ``release`` compares and unlinks under it;
 - a writer commits under :func:`fence` (guard, token check, write, rename):
   ``WriteShards`` does so for every shard, with the path and token passed to it.
@@ -506,32 +507,41 @@ class RunLock:
 
     # -- internals ---------------------------------------------------------------
     def _create(self) -> bool:
-        """Create the lock file with O_EXCL (the one atomic step); False when it exists."""
+        """Create the lock file with O_EXCL (the one atomic step); False when it exists.
+
+        Under the guard: a breaker that moved a live lock aside by mistake (it judged an older one stale) puts
+        it back under the guard, and a create in that gap would win a lock someone holds, the holder's file
+        deleted, both runs believing they hold it. An existing file is refused at once, unguarded (a live
+        holder's writer may keep the guard for a shard write; a second driver must not wait on it)."""
+        if os.path.lexists(self.path):
+            return False
         now = time.time()
         record = {"host": HOST, "pid": os.getpid(), "started_at": now, "heartbeat_at": now, "token": self.token,
                   "machine": MACHINE}
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        try:
-            _write_all(fd, json.dumps(record).encode())
-        except BaseException:
+        with _guard(self.path, self.stale_after_s):  # busy: create anyway (the window is a breaker's rename)
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            try:
+                _write_all(fd, json.dumps(record).encode())
+            except BaseException:
+                os.close(fd)
+                self.path.unlink(missing_ok=True)  # ours: nobody may break a lock this fresh
+                raise
             os.close(fd)
-            self.path.unlink(missing_ok=True)  # ours: nobody may break a lock this fresh
-            raise
-        os.close(fd)
         self._record = record
         return True
 
     def _settle(self) -> None:
-        """Re-read after a short wait: catches a contender that moved our new lock while restoring another one."""
+        """Re-read after a short wait: catches a contender that moved our new lock while restoring another one.
+
+        Read under the guard (and looked at thrice): a breaker moves a lock aside and puts it back under it, and
+        reading our lock in that gap would refuse a lock we hold, leaving it behind with nobody running."""
         if self.settle_s > 0:
             time.sleep(self.settle_s)
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            raw = b""
+        with _guard(self.path, self.stale_after_s):  # busy: read anyway
+            raw = _read(self.path) or b""
         if _token_of(raw) != self.token:
             found = _inspect(self.path, self.stale_after_s)
             info = found[0] if found else None

@@ -69,7 +69,9 @@ class Account:
     restored_usd: float = 0.0
     unpriced: int = 0  # settles without usage.cost (their dollar reservation stays spent)
     probes: dict[str, float] = field(default_factory=dict)  # holder -> dollars reserved while the price is unknown
-    probes_in_doubt: dict[str, float] = field(default_factory=dict)  # the same, of holders whose lease lapsed
+    # The same, of holders whose lease lapsed: one amount per probe (a holder back from a lapse may probe and
+    # lapse again), so each late settle finds its own in-doubt reservation.
+    probes_in_doubt: dict[str, list[float]] = field(default_factory=dict)
 
 
 Booked = Counter  # (tokens, dollars) of one reservation -> how many such are booked
@@ -136,7 +138,7 @@ class BudgetLedger:
                     continue
                 acc = self.account(dataset)
                 if holder in acc.probes:  # a dead holder's probe no longer keeps the next one waiting
-                    acc.probes_in_doubt[holder] = acc.probes_in_doubt.get(holder, 0.0) + acc.probes.pop(holder)
+                    acc.probes_in_doubt.setdefault(holder, []).append(acc.probes.pop(holder))
                 tokens = sum(t * n for (t, _), n in booked.items())
                 usd = sum(u * n for (_, u), n in booked.items())
                 acc.reserved -= tokens
@@ -255,6 +257,14 @@ class BudgetLedger:
         self._unbook(acc, holder, dataset, reserved, reserved_usd)
         acc.released += 1
 
+    def cancel(self, dataset: str, reserved: int, *, reserved_usd: float = 0.0, holder: str = "") -> None:
+        """Take back a grant that was never sent (its batch could not be journaled): as if never reserved, so it
+        is neither held nor, at the next journal write, committed as spend a resume counts as maybe billed."""
+        acc = self.account(dataset)
+        reserved_usd = self._probe(acc, holder, reserved_usd)
+        self._unbook(acc, holder, dataset, reserved, reserved_usd)
+        acc.sent -= 1
+
     def restore(self, spent_by_dataset: Mapping[str, int], cost_by_dataset: Mapping[str, float] | None = None) -> None:
         """Carry over spend already written by an earlier run (call before any reservation)."""
         for dataset in set(spent_by_dataset) | set(cost_by_dataset or {}):
@@ -287,7 +297,13 @@ class BudgetLedger:
             return reserved_usd
         if holder in acc.probes:
             return acc.probes.pop(holder)
-        return acc.probes_in_doubt.pop(holder, 0.0)
+        doubt = acc.probes_in_doubt.get(holder)
+        if not doubt:
+            return 0.0
+        amount = doubt.pop(0)
+        if not doubt:
+            del acc.probes_in_doubt[holder]
+        return amount
 
     def _check(self, acc: Account, dataset: str) -> None:
         msgs = []
@@ -452,7 +468,8 @@ class Ledger:
             return  # a run that lost its folder writes nothing there: the new holder's ledger owns the journal
         accounts = self.budget.accounts.items()
         tokens = {name: a.spent + a.reserved for name, a in accounts}
-        usd = {name: round(a.spent_usd + a.reserved_usd, 9) for name, a in accounts if a.spent_usd or a.reserved_usd}
+        # Unrounded (JSON floats read back exactly): rounding could restore a hair less than was committed.
+        usd = {name: a.spent_usd + a.reserved_usd for name, a in accounts if a.spent_usd or a.reserved_usd}
         if (tokens, usd) == self._journaled:
             return  # nothing changed (e.g. health-only ops): skip the fsync on this serialized path
         atomic_write_json(self.journal, {JOURNAL_FORMAT: 2, "tokens": tokens, "usd": usd}, indent=None)
@@ -474,6 +491,9 @@ class Ledger:
             self._write_journal()
         except OSError as e:  # the grants of this batch must not go out unjournaled: a kill would forget them
             self.halt(f"the budget journal cannot be written: {e}")
+            for op, r in zip(ops, results, strict=True):
+                if op[0] == "reserve" and r == "granted":  # never sent: left booked, a later write would commit it
+                    self.budget.cancel(op[1], op[2], reserved_usd=op[3] if len(op) > 3 else 0.0, holder=holder)
             results = ["halted" if r == "granted" else r for r in results]
         return results, self.health.excluded, self.halted
 

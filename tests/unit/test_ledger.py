@@ -357,3 +357,57 @@ def test_one_ops_accounting_error_halts_without_failing_its_batch():
                                 ("settle", "d", 10, 5, 0.0, "p", "ok", 0, 0.0)], "A")
     assert res == ["granted", None, None] and halted and "ledger error on release" in halted
     assert led.report()["datasets"]["d"]["spent"] == 5  # the good settle after the bad op still counted
+
+
+def test_the_journal_restores_every_committed_dollar_not_a_rounded_down_one(tmp_path):
+    journal = str(tmp_path / "ledger.json")
+    first = Ledger(budgets_usd={"d": 1.0}, journal=journal)
+    assert first.apply([("reserve", "d", 0, 0.9999999994)], "A")[0] == ["granted"]  # in flight at the kill
+    second = Ledger(budgets_usd={"d": 1.0}, journal=journal)
+    assert second.budget.accounts["d"].spent_usd >= 0.9999999994
+    assert second.apply([("reserve", "d", 0, 1e-9)], "B")[0] == ["exhausted"]  # it would bill past the cap
+
+
+def test_grants_of_a_batch_that_cannot_be_journaled_are_taken_back(tmp_path, monkeypatch):
+    import math
+
+    from pipeline.base import layout
+    from pipeline.generate.ledger import read_journal_both
+
+    journal = str(tmp_path / "ledger.json")
+    led = Ledger({"d": 100}, budgets_usd={"d": 1.0}, journal=journal)
+    real = layout.atomic_write_json
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(layout, "atomic_write_json", disk_full)
+    res, _, halted = led.apply([("reserve", "d", 30, 0.2), ("reserve", "e", 5, math.nan)], "A")
+    assert res == ["halted", "halted"] and halted and "journal" in halted
+    monkeypatch.setattr(layout, "atomic_write_json", real)
+    led.apply([("settle", "d", 0, 0, 0.0, "p", "ok", 0, 0.0)], "B")  # a later write journals what is held
+    for name in ("d", "e"):
+        acc = led.budget.accounts[name]
+        assert (acc.reserved, acc.reserved_usd, acc.sent, acc.probes) == (0, 0.0, 0, {})
+    assert read_journal_both(journal) == ({"d": 0, "e": 0}, {})  # never sent: no spend a resume counts
+
+
+def test_a_holder_that_lapses_twice_mid_probe_settles_each_probe_by_its_own_amount():
+    import math
+
+    clock = Clock()
+    b = BudgetLedger(budgets_usd={"d": 1.0}, lease_s=10, clock=clock, strict=True)
+    assert b.reserve("d", 10, 0.5, holder="B") == "granted"
+    assert b.reserve("d", 10, math.nan, holder="A") == "granted"  # a probe: holds the other $0.5
+    clock.t += 20
+    b.touch("B")
+    assert b.expire() == ["A"]
+    b.release("d", 10, reserved_usd=0.5, holder="B")
+    assert b.reserve("d", 10, math.nan, holder="A") == "granted"  # A is back and probes again ...
+    clock.t += 20
+    assert b.expire() == ["A"]  # ... and lapses again
+    b.settle("d", 10, 10, 0.4, reserved_usd=math.nan, holder="A")  # the late bills, one by one
+    b.settle("d", 10, 10, 0.3, reserved_usd=math.nan, holder="A")
+    acc = b.accounts["d"]
+    assert (acc.spent_usd, acc.in_doubt, acc.in_doubt_usd, acc.reserved) == (pytest.approx(0.7), 0, 0.0, 0)
+    assert not b.violations

@@ -486,3 +486,68 @@ def test_cli_run_whose_lock_was_taken_over_exits_2_naming_the_new_holder(
     assert cli.main(["run", "job.yaml"]) == cli.EXIT_REFUSED == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("stopped: ") and "other-host.example pid 4242" in err[0]
+
+
+def _stale_lock_judged_by_a_late_breaker(path: Path) -> tuple[RunLock, dict[str, Any], bytes]:
+    """A stale lock of another host, read by a contender that is then descheduled before it breaks it."""
+    _write_lock(path, host="gone-host", pid=1, heartbeat_at=time.time() - 3600)
+    info, raw = run_lock._inspect(path, 60.0)
+    return RunLock(path, heartbeat_s=30, settle_s=0), info, raw
+
+
+def _slow_restore(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
+    """The late breaker, finding it moved a live lock by mistake, takes ``delay_s`` to put it back."""
+    real = os.link
+
+    def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        time.sleep(delay_s)
+        real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(run_lock.os, "link", link)
+
+
+def test_a_contender_never_creates_a_lock_while_a_breaker_puts_a_live_one_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "run.lock"
+    late, info, raw = _stale_lock_judged_by_a_late_breaker(path)
+    winner = RunLock(path, heartbeat_s=30, settle_s=0).acquire()  # breaks the stale lock, holds the folder
+    _slow_restore(monkeypatch, 0.3)
+    breaker = threading.Thread(target=late._break, args=(info, raw))
+    breaker.start()
+    time.sleep(0.1)  # the winner's lock is moved aside, the path empty
+    third = RunLock(path, heartbeat_s=30, settle_s=0)
+    try:
+        with pytest.raises(LockHeld, match="in use"):
+            third.acquire()  # it would win a held lock, the winner's file deleted, both believing they hold it
+        breaker.join()
+        winner.ensure_held()
+        assert read_lock(path)["token"] == winner.token
+    finally:
+        breaker.join()
+        third.release()
+        winner.release()
+
+
+def test_a_new_holder_never_refuses_its_lock_for_a_breakers_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    path = tmp_path / "run.lock"
+    late, info, raw = _stale_lock_judged_by_a_late_breaker(path)
+    path.unlink()  # its holder's file went away: the next run creates one afresh
+    _slow_restore(monkeypatch, 0.4)
+
+    def break_once_created() -> None:
+        deadline = time.monotonic() + 5
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        late._break(info, raw)
+
+    breaker = threading.Thread(target=break_once_created)
+    breaker.start()
+    lock = RunLock(path, heartbeat_s=30, settle_s=0.2)  # its settling re-read falls in the breaker's gap
+    try:
+        lock.acquire()  # refused, it would leave its own lock behind with no run holding the folder
+        assert lock.held and read_lock(path)["token"] == lock.token
+    finally:
+        breaker.join()
+        lock.release()
+    assert not path.exists()
