@@ -593,15 +593,18 @@ def _json_rows(path: Path, data: bytes, keep: bool = True) -> list[Any]:
             raise DatasetError(f"{path}: not valid JSON: {_json_refusal(e)}") from None
         found = _JSON_OPENERS.get(text[at], "a number")
         raise DatasetError(f"{path}: a .json dataset must hold a list of rows, found {found}")
-    dec = json.JSONDecoder(**STRICT) if keep else json.JSONDecoder(object_pairs_hook=lambda _: None, **STRICT)
+    scan = (json.JSONDecoder(**STRICT) if keep else
+            json.JSONDecoder(object_pairs_hook=lambda _: None, **STRICT)).scan_once  # raw_decode, less a call
     rows: list[Any] = []
     line, counted = 1, 0  # the line a refused row starts on, counted from where the last one started
     at = _WS.match(text, at + 1).end()
     while not (not rows and text.startswith("]", at)):
         start = at
         try:
-            row, at = dec.raw_decode(text, start)
+            row, at = scan(text, start)
             _check_depth_at(text, start, at)
+        except StopIteration as e:
+            raise _syntax_error(path, text, json.JSONDecodeError("Expecting value", text, e.value)) from None
         except json.JSONDecodeError as e:
             raise _syntax_error(path, text, e) from None
         except (ValueError, RecursionError) as e:  # the rule a JSONL line is read by: this row's fault
@@ -662,12 +665,6 @@ def _file_chunks(path: Path, size: int = _CHUNK) -> Iterator[bytes]:
         raise _unreadable(path, e) from None
 
 
-def _line_text(line: bytes) -> str:
-    """A JSONL line's text, a UTF-8 BOM at its start dropped: files that each began with one, joined with
-    ``cat``, have one at the start of a later line (a row, as it was in its own file)."""
-    return line.decode("utf-8").removeprefix("\ufeff")
-
-
 def _jsonl_rows(path: Path, lines: Iterator[bytes],
                 want: Collection[int] | None = None) -> Iterator[tuple[int, Any]]:
     """Decoded line by line, so one line that is not UTF-8 or not JSON is one quarantined row, not a failed run.
@@ -680,7 +677,7 @@ def _jsonl_rows(path: Path, lines: Iterator[bytes],
             return
         where = f"{path.name} line {lineno}"
         try:
-            text = _line_text(line)
+            text = line.decode("utf-8")
         except UnicodeDecodeError as e:
             if want is None or index in want:
                 yield index, _bad_line(f"line is not valid UTF-8 ({where}): {e.reason} at byte {e.start}", line)
@@ -692,7 +689,10 @@ def _jsonl_rows(path: Path, lines: Iterator[bytes],
             index += 1
             continue
         try:
-            row = _loads(text)
+            # A UTF-8 BOM opening a later line (files that each began with one, joined with ``cat``) is dropped as
+            # the file's first is: the row reads as in its own file. A line of a BOM alone stays the (malformed)
+            # row it always was, so the rows after it keep their indices and ids.
+            row = _loads(text.removeprefix("\ufeff") or text)
         except json.JSONDecodeError as e:
             row = _bad_line(f"line is not valid JSON ({where}): {e.msg} (column {e.colno})", line)
         except (ValueError, RecursionError) as e:
@@ -835,7 +835,7 @@ def count_rows(cfg: DatasetConfig, warn: bool = True) -> int:
             if n >= cap:
                 break
             try:
-                n += bool(_line_text(line).strip())
+                n += bool(line.decode("utf-8").strip())
             except UnicodeDecodeError:
                 n += 1  # a line that is not UTF-8 is a (malformed) row
     n = int(min(n, cap))

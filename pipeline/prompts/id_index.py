@@ -25,7 +25,11 @@ from pipeline.base.layout import atomic_write_table
 if TYPE_CHECKING:
     from pipeline.base.config import DatasetConfig
 
-VERSION = 1
+# Raised whenever the reading rules change a row's outcome or id (datasets.py): an index an earlier version wrote
+# holds a row that now quarantines as a prompt left to do, which a resume would count and never generate.
+# 2: a turn without content, tool-call arguments that are not an object, a .json row read by the JSONL rule,
+# a BOM opening a later JSONL line.
+VERSION = 2
 KEY = b"pipeline.prompt_index"
 SCHEMA = pa.schema([("sample_id", pa.string()), ("ok", pa.bool_())])
 

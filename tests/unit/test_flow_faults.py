@@ -137,7 +137,9 @@ def test_a_nan_in_a_json_list_file_is_that_rows_fault_not_the_files(tmp_path: Pa
                     ' {"name": "f", "parameters": {"a": NaN}}}]}]')
     got = list(iter_dataset(DatasetConfig(name="j", path=str(path)), warn=False))
     assert [ok for ok, _ in got] == [True, False]
-    assert got[1][1]["reason"].startswith("malformed row: tool 0 cannot be written as JSON")
+    # read with the same strict rules a JSONL line gets (NaN is no JSON number), the row alone
+    assert got[1][1]["reason"] == ("malformed row: row is not valid JSON (rows.json line 1): NaN is not a number "
+                                   "JSON allows")
 
 
 def test_an_http_row_whose_tools_cannot_be_sent_is_quarantined_not_left_to_do():

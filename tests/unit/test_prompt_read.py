@@ -130,8 +130,11 @@ def test_an_empty_file_warns_once_where_asked(tmp_path, caplog):
     ("rows.json", b'{"rows": []}'),
     ("rows.json", b"null"),
     ("rows.json", b'[{"instruction": "\xff"}]'),
-    ("rows.json", b'[{"instruction": "a", "n": ' + b"1" * 5000 + b"}]"),  # json.loads: ValueError
-    ("rows.json", b"[" * 100_000 + b"]" * 100_000),  # json.loads: RecursionError
+    ("rows.json", b"[" * 100_000),  # never closed, too deep for json to say where
+    ("rows.json", b'[{"instruction": "a", "n": NaN}, {oops}]'),  # a syntax error after a row refused alone
+    ("rows.jsonl", b"\x1f\x8b\x08\x00" + b"\0" * 16),  # gzip
+    ("rows.jsonl", '{"instruction": "a"}\r\n'.encode("utf-16")),  # PowerShell's >
+    ("rows.json", b"\x1f\x8b\x08\x00" + b"\0" * 16),
     ("rows.parquet", b"not parquet at all"),
     ("rows.parquet", b""),
     ("rows.parquet", b"PAR1" + b"\0" * 64 + b"PAR1"),
