@@ -31,6 +31,7 @@ log = logging.getLogger("pipeline.base.console")
 PROGRESS_ENV = "PIPELINE_PROGRESS_S"  # seconds between plain progress lines without a terminal
 PLAIN_EVERY_S = 30.0
 TTY_EVERY_S = 0.5
+STALE_S = 5.0  # a progress line unchanged this long also shows the phase's time: a silent wait looks hung
 
 
 # ----------------------------------------------------------------------------- pure formatting
@@ -342,7 +343,7 @@ class Console:
             columns = os.get_terminal_size(self.stream.fileno()).columns
         except (OSError, ValueError, AttributeError):
             columns = 0
-        return columns if columns >= 40 else 120  # a pseudo-terminal may report no size at all
+        return columns if columns > 0 else 120  # a pseudo-terminal may report no size at all
 
     def _write(self, text: str) -> None:
         try:
@@ -377,7 +378,8 @@ class Console:
                 log.info("%s", text)
                 return
             width = self.width()
-            shown = text if len(text) < width else text[: max(width - 2, 10)] + "…"
+            # shorter than the terminal, however narrow: a wrapped line leaves a row behind at each redraw
+            shown = text if len(text) < width else text[: max(width - 2, 0)] + "…"
             if shown == self._live:
                 return
             self._write("\r\x1b[K" + shown)
@@ -390,10 +392,13 @@ class Console:
         ``render`` is polled twice a second; a terminal redraws its line each time, a plain console prints it
         every ``every_s`` seconds when it changed. It may return several lines: all but the last are permanent
         at once (a finished sub-phase), the last is the live one. ``announce`` prints the first one at once on a plain
-        console too (it otherwise waits ``every_s`` seconds).
+        console too (it otherwise waits ``every_s`` seconds). A live line unchanged for ``STALE_S`` seconds (an
+        engine or Ray Train starting, a vLLM measure) gets the phase's time added, ``(1m30s)``: a plain console
+        still prints every ``every_s`` seconds and a terminal's line still moves, so a long wait does not look hung.
         """
         stop = threading.Event()
-        last_print, last_text = [time.monotonic()], [""]
+        started = time.monotonic()
+        last_print, last_text, last_shown, changed_at = [started], [""], [""], [started]
 
         def show(final: bool, force: bool = False) -> None:
             try:
@@ -408,10 +413,14 @@ class Console:
                 self.line(text)
             if final:
                 self.line(lines[-1])
-            elif self.tty or ((force or time.monotonic() - last_print[0] >= self.every_s)
-                              and lines[-1] != last_text[0]):
-                last_print[0], last_text[0] = time.monotonic(), lines[-1]
-                self.live(lines[-1])
+                return
+            now = time.monotonic()
+            if lines[-1] != last_text[0]:
+                last_text[0], changed_at[0] = lines[-1], now
+            shown = lines[-1] if now - changed_at[0] < STALE_S else f"{lines[-1]} ({duration(now - started)})"
+            if self.tty or ((force or now - last_print[0] >= self.every_s) and shown != last_shown[0]):
+                last_print[0], last_shown[0] = now, shown
+                self.live(shown)
 
         def tick() -> None:
             while not stop.wait(TTY_EVERY_S):

@@ -11,7 +11,8 @@ lines (pipeline.base.console).
   local Ray and on a joined cluster alike (Ray also keeps them in its session folder, named in
   ``pipeline.log``);
 - whatever else this process writes to its stdout and stderr (Ray's C++ core, progress bars) to
-  ``output.log`` (the only file not rotated: it takes raw file-descriptor output).
+  ``output.log`` (it takes raw file-descriptor output, so it cannot rotate while a run writes it: a run that
+  finds it past ``MAX_BYTES`` rotates it before it starts).
 
 A warning seen again is counted instead of written again (``repeated N more times`` when the run ends);
 errors are always written. ``verbose`` keeps all of it on the console as well, as it was before.
@@ -159,6 +160,22 @@ class OwnWarnings(logging.Handler):
                 self.handleError(record)
 
 
+def rotate_if_full(path: Path) -> None:
+    """``path`` -> ``path.1`` -> ... ``path.BACKUPS`` (the oldest dropped) once it holds ``MAX_BYTES``, as a
+    ``RotatingFileHandler`` does: a file appended to by every attempt of a run must not grow without bound. A
+    smaller one stays, so a resume appends to the first attempt's lines."""
+    try:
+        if path.stat().st_size < MAX_BYTES:
+            return
+        for n in range(BACKUPS - 1, 0, -1):
+            older = path.with_name(f"{path.name}.{n}")
+            if older.exists():
+                older.replace(path.with_name(f"{path.name}.{n + 1}"))
+        path.replace(path.with_name(f"{path.name}.1"))
+    except OSError:  # absent (a fresh folder), or it cannot rotate: append to it as it is
+        return
+
+
 def _is_console_handler(h: logging.Handler) -> bool:
     """A handler that writes to the process's stdout or stderr (not a file)."""
     if isinstance(h, logging.FileHandler) or not isinstance(h, logging.StreamHandler):
@@ -249,7 +266,9 @@ class RunLogs:
         at ``output.log``. The console writes to a copy of the terminal's descriptor (``Console.for_cli``)."""
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        fd = os.open(self.dir / "output.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        path = self.dir / "output.log"
+        rotate_if_full(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.saved_fds = (os.dup(1), os.dup(2))
         os.dup2(fd, 1)
         os.dup2(fd, 2)

@@ -221,6 +221,12 @@ def _built_recipe(model_dir: Path) -> str | None:
     return json.loads((model_dir / "config.json").read_text()).get("tiny_target_recipe")
 
 
+def is_built(out_dir: str | Path, variant: str) -> bool:
+    """Whether ``out_dir`` holds the tiny target of ``variant`` as this recipe builds it (nothing to build)."""
+    out = Path(out_dir)
+    return built_variant(out) == variant and _built_recipe(out) == recipe(variant)
+
+
 def build_tiny_target(out_dir: str | Path, *, variant: str = "well-formed", force: bool = False) -> Path:
     """Write the tiny target model folder (config, safetensors, tokenizer, template).
 
@@ -232,7 +238,7 @@ def build_tiny_target(out_dir: str | Path, *, variant: str = "well-formed", forc
         raise ValueError(f"unknown tiny target variant {variant!r} (known: {', '.join(VARIANTS)})")
     out = Path(out_dir)
     marker = out / "model.safetensors"
-    if built_variant(out) == variant and _built_recipe(out) == recipe(variant) and not force:
+    if is_built(out, variant) and not force:
         return out  # every run calls this: the check must not pay for building the weights
     report = None
     if variant == "trained":

@@ -29,8 +29,9 @@ def _load(args: argparse.Namespace, check_paths: bool = True) -> RunConfig | Non
 
 # Exit codes of `run` (README: "Exit codes"): done; rows left to do (a re-run resumes them); refused to start
 # (config, input, a folder written with other settings, a folder another run holds) or stopped because another run
-# took the folder's lock over; an unexpected failure is 1.
+# took the folder's lock over; an unexpected failure is 1; Ctrl-C is 130, one line and no traceback.
 EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_LEFT_TO_DO = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C: the shell's code for SIGINT; a re-run resumes as after any kill
 
 
 def _refusals() -> dict[type[Exception], str]:
@@ -239,8 +240,33 @@ def _build_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+class ConsoleFormat(logging.Formatter):
+    """Log records that reach the console outside a run's logs (before ``run`` holds its folder's lock, e.g. the
+    lock of a killed attempt broken on resume; ``status``, ``check``, ``plan``): the pipeline's own warnings as
+    the console marks what needs the user (``! message``), a library's with its name; no timestamped log lines,
+    and nothing below WARNING (a run's logs keep that, pipeline.base.logs)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from pipeline.base.logs import OWN
+
+        if record.name.startswith(OWN):
+            return f"! {record.getMessage()}"
+        return f"{record.levelname} {record.name}: {super().format(record)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # the user's Ctrl-C, not a bug: one line, not a traceback (the run's logs keep it)
+        import shlex
+
+        print(f"interrupted (exit {EXIT_INTERRUPTED}); nothing written is lost; re-run: "
+              f"python -m pipeline {shlex.join(argv)}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     # Subcommands owned by their modules take their own flags.
     if argv and argv[0] == "audit":
         from pipeline.checks.audit import main as audit_main
@@ -302,5 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("audit", help="audit sample shards (see `audit --help`)")
     sub.add_parser("serve-openrouter", help="local OpenRouter-compatible server (see `serve-openrouter --help`)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(ConsoleFormat())
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     return args.fn(args)
+

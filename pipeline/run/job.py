@@ -119,9 +119,15 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     timings = Timings()
     t_all = time.perf_counter()
     if cfg.model.build_tiny:
-        from pipeline.demo.tiny_model import build_tiny_target
+        from pipeline.demo.tiny_model import build_tiny_target, is_built
 
-        build_tiny_target(cfg.model.path, variant=cfg.model.tiny_variant)
+        variant = cfg.model.tiny_variant
+        if is_built(cfg.model.path, variant):
+            build_tiny_target(cfg.model.path, variant=variant)
+        else:  # minutes for a trained variant on 2 cores, before the header: a line says what the wait is
+            with console.phase(lambda final: f"[build] the tiny {variant} target in {cfg.model.path}"
+                               + (": done" if final else ""), announce=True):
+                build_tiny_target(cfg.model.path, variant=variant)
         adopt_transformers_logging()
     # before Ray starts: a folder written with other settings must fail in a second, not after start-up
     check_or_write_manifest(cfg, layout.root, has_samples=has_finished_rows(layout))

@@ -105,3 +105,12 @@ def test_sampled_responses_are_well_formed(well_formed):
             finished += 1
             assert ids.count(THINK_END_ID) == int(thinking)
     assert finished >= 9  # ~36 tokens on average against a 96-token cap
+
+
+def test_is_built_says_whether_a_run_would_build(tmp_path):
+    """The run shows a ``[build]`` line (minutes for a trained variant) only when there is something to build."""
+    from pipeline.demo.tiny_model import build_tiny_target, is_built
+
+    assert not is_built(tmp_path / "t", "well-formed")
+    build_tiny_target(tmp_path / "t", variant="well-formed")
+    assert is_built(tmp_path / "t", "well-formed") and not is_built(tmp_path / "t", "wild")
