@@ -236,6 +236,19 @@ def test_a_new_actor_replays_what_another_actor_of_the_folder_was_billed_for(pro
         assert again[sid]["generation_id"] == r["generation_id"] == alive[sid]["generation_id"]
         assert again[sid]["output_ids"] == r["output_ids"]
 
+def paid_then_corrupted(url: str, folder, rows: list[dict], sample_id: str, key: str,
+                        value) -> tuple[dict[str, dict], object, int]:
+    """A first attempt pays for ``rows`` into ``folder``'s journal; then ``sample_id``'s line gets ``key: value``.
+    Returns the first attempt's rows, the journal's path and the byte the changed line starts at."""
+    first = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(), layout=RunLayout(folder)), rows)
+    (path,) = RunLayout(folder).responses.glob("*.jsonl")
+    lines = path.read_bytes().splitlines(keepends=True)
+    at = next(i for i, ln in enumerate(lines) if json.loads(ln)["sample_id"] == sample_id)
+    lines[at] = json.dumps({**json.loads(lines[at]), key: value}).encode() + b"\n"
+    path.write_bytes(b"".join(lines))
+    return first, path, sum(len(ln) for ln in lines[:at])
+
+
 
 # content: the rebuild failed, so the prompt was asked (and paid for) again without a word; finish_reason and
 # t_generate_s: the sample row failed its whole batch at the Arrow conversion, on every resume.
@@ -248,13 +261,7 @@ def test_a_journaled_response_of_the_wrong_type_is_left_to_do_naming_its_line_ne
     actor that meets it; the other rows replay as usual (no request sent for them in this attempt: attempts 0)."""
     rows = rows_(4)
     with serve_in_thread(ServerConfig(seed=9), CannedBackend(1, profile)) as (url, server):
-        first = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(), layout=RunLayout(tmp_path)), rows)
-        (path,) = RunLayout(tmp_path).responses.glob("*.jsonl")
-        lines = path.read_bytes().splitlines(keepends=True)
-        at = next(i for i, ln in enumerate(lines) if json.loads(ln)["sample_id"] == "d:2")
-        lines[at] = json.dumps({**json.loads(lines[at]), key: value}).encode() + b"\n"
-        path.write_bytes(b"".join(lines))
-        byte = sum(len(ln) for ln in lines[:at])
+        first, path, byte = paid_then_corrupted(url, tmp_path, rows, "d:2", key, value)
         for _ in range(2):  # a later resume meets it again: still held, still no request
             again = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(), layout=RunLayout(tmp_path)),
                         rows)
@@ -282,13 +289,7 @@ def test_a_journaled_response_whose_counted_field_is_of_the_wrong_type_is_held_n
     file, the line and the field, with no request sent, on every resume; the other rows replay as usual."""
     rows = rows_(4)
     with serve_in_thread(ServerConfig(seed=9), CannedBackend(1, profile)) as (url, server):
-        first = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(), layout=RunLayout(tmp_path)), rows)
-        (path,) = RunLayout(tmp_path).responses.glob("*.jsonl")
-        lines = path.read_bytes().splitlines(keepends=True)
-        at = next(i for i, ln in enumerate(lines) if json.loads(ln)["sample_id"] == "d:2")
-        lines[at] = json.dumps({**json.loads(lines[at]), key: value}).encode() + b"\n"
-        path.write_bytes(b"".join(lines))
-        byte = sum(len(ln) for ln in lines[:at])
+        first, path, byte = paid_then_corrupted(url, tmp_path, rows, "d:2", key, value)
         for _ in range(2):  # a later resume meets it again (from the projection a reader stored): still held
             with caplog.at_level("WARNING"):
                 again = run(OpenRouterGenerator(cfg_(url), "deepseek", None, Ledger(),
