@@ -76,6 +76,9 @@ def test_a_prompt_that_kills_the_process_costs_three_deaths_then_is_quarantined(
     calls.clear()
     out, deaths = serve_until_done(layout, ["k", "d"], {"k"}, calls=calls)
     assert deaths == 0 and calls == [["d"]] and out["k"]["status"] == "quarantine"
+    calls.clear()
+    out, deaths = serve_until_done(layout, ["k"], {"k"}, calls=calls)  # a batch of it alone: the engine not called
+    assert deaths == 0 and calls == [] and out["k"]["status"] == "quarantine"
 
 
 def test_an_engine_that_dies_on_every_prompt_quarantines_none(tmp_path: Path):

@@ -215,7 +215,8 @@ class EngineSource:
                 self._sample_failure(r)
             else:
                 todo.append(r)
-        for part in [todo] if not died else [[r] for r in alone_order(todo, suspects, lambda r: r["sample_id"])]:
+        parts = [todo] if not died else [[r] for r in alone_order(todo, suspects, lambda r: r["sample_id"])]
+        for part in (p for p in parts if p):  # a batch of killers only: nothing to send
             notes.serving(ids, part[0]["sample_id"] if died else None, after_served=self.engine_served)
             self._serve(part)
             self.engine_served = self.engine_served or any(r["status"] == "ok" for r in part)
