@@ -79,6 +79,7 @@ def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]
                           | set(src.budgets_usd) | set(journaled))
         spend[src.name] = {
             "cost_usd_in_samples": round(cost, 6),
+            "journal_lines_naming_no_prompt": totals.nameless,
             "datasets": {d: {"budget": src.token_budget(d), "budget_usd": src.usd_budget(d),
                              "committed": committed.get(d, 0),
                              "committed_usd": round(committed_usd.get(d, 0.0), 6),
@@ -201,6 +202,10 @@ def format_status(s: dict[str, Any]) -> str:
                      "counted and trained on once)")
     for name, sp in s["spend"].items():
         lines.append(f"  spend {name}: ${sp['cost_usd_in_samples']:.4f} billed in samples")
+        if sp.get("journal_lines_naming_no_prompt"):
+            lines.append(f"    WARNING: {sp['journal_lines_naming_no_prompt']} lines of its response journal do not "
+                         "read and name no prompt: if they were paid responses, a re-run asks (and pays for) those "
+                         "prompts again (OUTPUT/logs/ names each file and byte)")
         for d, v in sp["datasets"].items():
             lines.append(f"    {d:<16} {v['committed']} tokens committed, {v['billed_in_samples']} billed in "
                          f"samples, {v['billed_in_journal']} billed in the response journal, {_caps(v)}")

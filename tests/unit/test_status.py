@@ -113,3 +113,26 @@ def test_dollar_caps_and_the_dollars_committed_are_shown(cfg):
     assert "cap 900 tokens" in text and "$0.2500 committed, " not in text
     math_line = next(line for line in text.splitlines() if line.split()[:3] == ["math", "5", "tokens"])
     assert math_line.endswith("$0.2500 committed")  # unlimited: what was committed, and no cap
+
+
+def test_journal_lines_that_name_no_prompt_are_counted_and_said(cfg):
+    """A response journal line in which nothing reads (torn mid-file, overwritten) holds no prompt: if it was a
+    paid response, a re-run asks for its prompt again. It was said only in the logs; status counts it. A line that
+    does not read but names its prompt is held (class journal), so it is not in that count."""
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+
+    cfg.sources.append(OpenRouterSourceConfig.model_validate(
+        {"kind": "openrouter", "name": "api", "model": "moonshotai/kimi-k2.5", "default_budget": "unlimited"}))
+    layout = RunLayout(cfg.output_dir)
+    layout.responses.mkdir(parents=True)
+    good = {"sample_id": "chat:1", "dataset": "chat", "source": "api", "model": "m", "sampling": "{}",
+            "request_digest": "d", "kind": "response", "billed_completion_tokens": 5, "generation_id": "g1"}
+    named = dict(good, sample_id="chat:2", generation_id="g2", cost="0.5")  # a counted field of the wrong type
+    layout.response_journal("api", "a1").write_text("\n".join([
+        json.dumps(good), '{"sample_id": "chat:3", "datas', "\x00\x01 not json", json.dumps(named)]) + "\n")
+    s = collect_status(cfg)
+    assert s["spend"]["api"]["journal_lines_naming_no_prompt"] == 2
+    assert "WARNING: 2 lines of its response journal do not read and name no prompt" in format_status(s)
+    layout.response_journal("api", "a1").write_text(json.dumps(good) + "\n" + json.dumps(named) + "\n")
+    s = collect_status(cfg)
+    assert s["spend"]["api"]["journal_lines_naming_no_prompt"] == 0 and "name no prompt" not in format_status(s)

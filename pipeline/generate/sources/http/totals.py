@@ -56,6 +56,9 @@ class JournalTotals:
     cost: dict[str, float]
     gave_up: dict[str, tuple[int, str]]
     responded: dict[str, str]
+    # Lines that do not read and name no prompt (no sample id reads in them): if one was a paid response, its
+    # prompt is not known as answered and may be asked (and paid for) again; ``status`` says how many.
+    nameless: int = 0
 
 
 def _table(rows: list[tuple[Any, ...]]) -> pa.Table:
@@ -168,7 +171,10 @@ def totals_of(table: pa.Table) -> JournalTotals:
                                    pc.and_(held, pc.equal(kind, ""))))
     responded = dict(zip(answered.column("sample_id").to_pylist(), answered.column("dataset").to_pylist(),
                          strict=True))
-    return JournalTotals(billed, cost, gave_up, responded)
+    nameless = pc.and_(pc.invert(readable), pc.equal(table.column("sample_id"), ""))
+    maybe_response = pc.or_(pc.equal(kind, "response"), pc.equal(kind, ""))
+    return JournalTotals(billed, cost, gave_up, responded,
+                         int(pc.sum(pc.and_(nameless, maybe_response).cast(pa.int64())).as_py() or 0))
 
 
 _TOTALS: dict[tuple[str, str], tuple[tuple[tuple[str, int, int], ...], JournalTotals]] = {}
