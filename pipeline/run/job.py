@@ -122,9 +122,7 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
         from pipeline.demo.tiny_model import build_tiny_target, is_built
 
         variant = cfg.model.tiny_variant
-        if is_built(cfg.model.path, variant):
-            build_tiny_target(cfg.model.path, variant=variant)
-        else:  # minutes for a trained variant on 2 cores, before the header: a line says what the wait is
+        if not is_built(cfg.model.path, variant):  # minutes for a trained variant on 2 cores, before the header
             with console.phase(lambda final: f"[build] the tiny {variant} target in {cfg.model.path}"
                                + (": done" if final else ""), announce=True):
                 build_tiny_target(cfg.model.path, variant=variant)

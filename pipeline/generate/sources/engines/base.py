@@ -210,12 +210,14 @@ class EngineSource:
         suspects = notes.suspects(ids)
         todo = []
         for r in rows:
-            if r["sample_id"] in suspects and notes.is_killer(r["sample_id"]):
-                fail_row(r, killer_reason(suspects[r["sample_id"]]), self.source_name, self.router)
+            found = suspects.get(r["sample_id"])
+            if found is not None and found.killer:
+                fail_row(r, killer_reason(found.alone), self.source_name, self.router)
                 self._sample_failure(r)
             else:
                 todo.append(r)
-        parts = [todo] if not died else [[r] for r in alone_order(todo, suspects, lambda r: r["sample_id"])]
+        counts = {i: d.alone for i, d in suspects.items()}
+        parts = [todo] if not died else [[r] for r in alone_order(todo, counts, lambda r: r["sample_id"])]
         for part in (p for p in parts if p):  # a batch of killers only: nothing to send
             notes.serving(ids, part[0]["sample_id"] if died else None, after_served=self.engine_served)
             self._serve(part)

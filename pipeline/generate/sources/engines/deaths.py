@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,20 @@ def read_note(path: Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) else None
 
 
+@dataclass(frozen=True)
+class Deaths:
+    """One prompt's record: deaths of a process serving it alone, and how many came after that process's engine
+    had served another prompt."""
+
+    alone: int = 0
+    after_served: int = 0
+
+    @property
+    def killer(self) -> bool:
+        """``ALONE_DEATHS`` deaths alone, one at least after the engine served: the prompt's own fault."""
+        return self.alone >= ALONE_DEATHS and self.after_served >= 1
+
+
 class DeathNotes:
     """One source's notes in a run folder: ``OUTPUT/engine_deaths/<source>/``."""
 
@@ -68,24 +83,26 @@ class DeathNotes:
     def sample_path(self, sample_id: str) -> Path:
         return self.folder / f"sample-{_digest(sample_id)}.json"
 
-    def suspects(self, ids: list[str]) -> dict[str, int]:
-        """The rows of a batch that died alone before, with how often (one listing, then only their records)."""
+    def suspects(self, ids: list[str]) -> dict[str, Deaths]:
+        """The rows of a batch that died alone before, with their counts (one listing, then only their records)."""
         try:
             names = set(os.listdir(self.folder))
         except OSError:
             return {}
-        found = {i: self.alone_deaths(i) for i in ids if self.sample_path(i).name in names}
-        return {i: n for i, n in found.items() if n}
+        found = {i: self.deaths(i) for i in ids if self.sample_path(i).name in names}
+        return {i: d for i, d in found.items() if d.alone}
+
+    def deaths(self, sample_id: str) -> Deaths:
+        """What ``sample_id``'s record counts (nothing when there is none, or it does not read)."""
+        rec = read_note(self.sample_path(sample_id))
+        return Deaths(_count(rec, "deaths_alone"), _count(rec, "after_served"))
 
     def alone_deaths(self, sample_id: str) -> int:
-        """How often a process died serving ``sample_id`` alone (0 when never, or the record does not read)."""
-        return _count(read_note(self.sample_path(sample_id)), "deaths_alone")
+        """How often a process died serving ``sample_id`` alone."""
+        return self.deaths(sample_id).alone
 
     def is_killer(self, sample_id: str) -> bool:
-        """Whether ``sample_id`` died alone ``ALONE_DEATHS`` times, once at least in a process whose engine had
-        served another prompt: the prompt's own fault."""
-        rec = read_note(self.sample_path(sample_id))
-        return _count(rec, "deaths_alone") >= ALONE_DEATHS and _count(rec, "after_served") >= 1
+        return self.deaths(sample_id).killer
 
     def arrive(self, ids: list[str]) -> bool:
         """A batch arrives: whether a process died on it before. A death while a row was served alone is
@@ -97,9 +114,8 @@ class DeathNotes:
         serving = note.get("serving")
         self._write_batch(ids, serving=None)
         if isinstance(serving, str) and serving in ids:
-            rec = read_note(self.sample_path(serving))
-            n = _count(rec, "deaths_alone") + 1
-            after = _count(rec, "after_served") + (note.get("after_served") is True)
+            had = self.deaths(serving)
+            n, after = had.alone + 1, had.after_served + (note.get("after_served") is True)
             atomic_write_json(self.sample_path(serving),
                               {"sample_id": serving, "deaths_alone": n, "after_served": after})
             log.warning("a process died serving prompt %r alone (%d time(s))", serving, n)
