@@ -227,6 +227,10 @@ def extract_and_train(cfg: RunConfig, layout: RunLayout, timings: Timings,
     target_cfg = read_target_config(cfg.model.path)  # the language model's, also for a multimodal checkpoint
     aux_ids = ex.aux_layer_ids or resolve_aux_layer_ids(tcfg or DraftTrainConfig(), target_cfg["num_hidden_layers"])
     h = handoff_for(cfg, layout, aux_ids, tcfg.heldout_fraction if tcfg is not None else 0.0)
+    # The report's extraction figures are this attempt's: an earlier attempt's actors left their own files
+    # (a resumed run summed both: 384 samples extracted for 192).
+    for stale in layout.extract_stats.glob("extract-*.json"):
+        stale.unlink(missing_ok=True)
     result: dict[str, Any] = {"aux_layer_ids": aux_ids, "extraction_mode": ex.mode,
                               "bytes_per_token": bytes_per_token(target_cfg["hidden_size"], len(aux_ids))}
     h.prepare(console, timings)
