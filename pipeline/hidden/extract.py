@@ -699,8 +699,12 @@ class VLLMStateCapture:
             data = load_hidden_states(path)
             cleanup_hidden_states(path)
             hs = data["hidden_states"]  # (T, n_aux + 1, H)
-            if hs.shape[0] != len(s) or data["token_ids"].tolist() != list(s):
+            if hs.shape[0] != len(s):
                 yield Captured([i], [len(s)], error=f"shape: vLLM states for {hs.shape[0]} tokens, expected {len(s)}")
+                continue
+            if data["token_ids"].tolist() != list(s):  # as many states, but of other ids: its own reason
+                yield Captured([i], [len(s)], error="vllm: the engine's states are for other token ids than the "
+                                                    "sample's")
                 continue
             final = rms_norm(hs[:, -1], self.norm_weight, self.eps)
             states = torch.cat([hs[:, :-1].reshape(len(s), -1), final], dim=-1)[None]
