@@ -162,11 +162,12 @@ def _run(cfg: RunConfig, layout: RunLayout, console: Console) -> dict[str, Any]:
     counts = index.counts()  # waited for: its quarantine rows are on disk before the summary reads them
     counts.pop(TO_DO, None)
     counts["resumed_done"] = len(done)
-    project_journals(cfg, layout)
+    nameless = project_journals(cfg, layout)
 
     current = {d.name: current_ids(d, layout) for d in cfg.datasets}  # the summary's and the recount's rows
     report = run_summary(cfg, layout, tally, counts, current)
-    report["spend"] = {name: ledger_report(ledger) | {"held_by_killed_requests": held[name]}
+    report["spend"] = {name: ledger_report(ledger) | {"held_by_killed_requests": held[name],
+                                                       "journal_lines_naming_no_prompt": nameless.get(name, 0)}
                        for name, ledger in ledgers.items()}
     report["sources"] = source_report(cfg.sources, tally)
     ensure_held()
@@ -354,21 +355,23 @@ def worn_out(cfg: RunConfig, layout: RunLayout) -> dict[str, dict[str, str]]:
     return out
 
 
-def project_journals(cfg: RunConfig, layout: RunLayout) -> None:
+def project_journals(cfg: RunConfig, layout: RunLayout) -> dict[str, int]:
     """Bring each spending source's journal projection up to date (``totals``): the source actors store theirs
     only when idle, and Ray Data ends them with the stream, so without this the run's first ``status`` or
     resume would parse the whole journal (~2 s a 200,000 responses) instead of the run paying it once here.
-    In a zero-CPU Ray task, not on the driver: its parse held ~100 MB more at 200,000 responses."""
+    In a zero-CPU Ray task, not on the driver: its parse held ~100 MB more at 200,000 responses. Returns, per
+    source, its journal lines that do not read and name no prompt (the report warns of them, as ``status`` does)."""
     import ray
 
     task = ray.remote(num_cpus=0)(_project_journal)
-    ray.get([task.remote(str(layout.responses), src.name) for src in spending_sources(cfg.sources)])
+    names = [src.name for src in spending_sources(cfg.sources)]
+    return dict(zip(names, ray.get([task.remote(str(layout.responses), n) for n in names]), strict=True))
 
 
-def _project_journal(folder: str, source: str) -> None:
+def _project_journal(folder: str, source: str) -> int:
     from pipeline.generate.sources.http.totals import journal_totals
 
-    journal_totals(folder, source)  # stores the projection; the totals stay in the task
+    return journal_totals(folder, source).nameless  # stores the projection; the rest of the totals stay here
 
 
 def has_finished_rows(layout: RunLayout) -> bool:

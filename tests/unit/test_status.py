@@ -136,3 +136,24 @@ def test_journal_lines_that_name_no_prompt_are_counted_and_said(cfg):
     layout.response_journal("api", "a1").write_text(json.dumps(good) + "\n" + json.dumps(named) + "\n")
     s = collect_status(cfg)
     assert s["spend"]["api"]["journal_lines_naming_no_prompt"] == 0 and "name no prompt" not in format_status(s)
+
+
+def test_the_run_report_warns_of_journal_lines_naming_no_prompt(cfg, ray_session):
+    """The run counts them too (it said so only in the logs; `status` alone counted them): the journal pass at the
+    end of generation returns the count per source, and the report's attention lines say what to do."""
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+    from pipeline.report.summary import attention_lines
+    from pipeline.run.job import project_journals
+
+    cfg.sources.append(OpenRouterSourceConfig.model_validate(
+        {"kind": "openrouter", "name": "api", "model": "moonshotai/kimi-k2.5", "default_budget": "unlimited"}))
+    layout = RunLayout(cfg.output_dir)
+    layout.responses.mkdir(parents=True)
+    good = {"sample_id": "chat:1", "dataset": "chat", "source": "api", "model": "m", "sampling": "{}",
+            "request_digest": "d", "kind": "response", "billed_completion_tokens": 5, "generation_id": "g1"}
+    layout.response_journal("api", "a1").write_text("\n".join([json.dumps(good), "\x00 torn", '{"sample_i']) + "\n")
+    nameless = project_journals(cfg, layout)
+    assert nameless == {"api": 2}
+    lines = attention_lines({"spend": {"api": {"journal_lines_naming_no_prompt": nameless["api"]}}})
+    assert len(lines) == 1 and "source api: 2 lines of its response journal do not read and name no prompt" in lines[0]
+    assert attention_lines({"spend": {"api": {"journal_lines_naming_no_prompt": 0}}}) == []
