@@ -140,3 +140,19 @@ def test_a_content_part_that_is_not_an_object_is_quarantined(tmp_path, part):
     [(ok, row)] = _read(path)
     assert not ok
     assert f"message 0 content part 1 must be an object, got {type(part).__name__}" in row["reason"]
+
+
+@pytest.mark.parametrize(("content", "parts"), [([], "none"), ([{"type": "image_url", "image_url": {"url": "x"}}],
+                                                                 "image_url"),
+                                                ([{"type": "input_audio"}, {"type": "image_url"}],
+                                                 "image_url, input_audio")])
+def test_a_turn_with_no_text_part_is_quarantined(tmp_path, content, parts):
+    """Content parts with no text (none, or an image only) were joined into "": the target was asked an empty
+    user turn and its answer trained on. A turn with a text part beside an image keeps its text, as before."""
+    path = tmp_path / "rows.jsonl"
+    mixed = [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "Q?"}]
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": c}]}) for c in (content, mixed))
+                    + "\n", encoding="utf-8")
+    [(ok, row), (ok_mixed, row_mixed)] = _read(path)
+    assert not ok and f"message 0 has no text part (parts: {parts})" in row["reason"], row["reason"]
+    assert ok_mixed and json.loads(row_mixed["messages"]) == [{"role": "user", "content": "Q?"}]
