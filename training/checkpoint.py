@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pipeline.base.layout import temp_path
@@ -52,14 +53,27 @@ def load_drafter_tensors(path: Path, drafter: Eagle3Drafter) -> None:
         raise KeyError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
 
 
+def check_same_vocab(path: Path, drafter: Eagle3Drafter) -> None:
+    """Refuse a checkpoint whose d2t/t2d differ from the drafter's (the run's vocabulary). Loading it would swap
+    the drafter's mapping while the loop keeps distilling from the run's lm_head rows: a silently wrong teacher."""
+    with safe_open(str(Path(path) / MODEL_FILE), framework="pt") as f:
+        names = set(f.keys())
+        same = all(n in names and torch.equal(f.get_tensor(n), getattr(drafter, n).cpu()) for n in ("d2t", "t2d"))
+    if not same:
+        raise ValueError(f"{path} was trained with another draft vocabulary than this run's (a vocab file counted "
+                         "again on other data?); it cannot be resumed with it: move it away to start again")
+
+
 def load_checkpoint(
     path: Path,
     drafter: Eagle3Drafter,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> LoopState:
-    """Restore drafter, optimizer and scheduler in place; return the loop position."""
+    """Restore drafter, optimizer and scheduler in place; return the loop position. The drafter must hold the
+    checkpoint's vocabulary already (``check_same_vocab``)."""
     path = Path(path)
+    check_same_vocab(path, drafter)
     load_drafter_tensors(path, drafter)
     opt = torch.load(path / OPTIM_FILE, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(opt["optimizer"])

@@ -45,16 +45,32 @@ def read_prompts(path: str | Path) -> list[list[int]]:
                     raise PromptFileError(f"{path}:{n}: not JSON ({e.msg})") from None
     if not isinstance(items, list):
         raise PromptFileError(f"{path}: expected a list of prompts, got {type(items).__name__}")
+    if not items:  # else a run starts its engines for minutes to report nothing (acceptance NaN)
+        raise PromptFileError(f"{path}: holds no prompts")
     if items and isinstance(items[0], int):  # a single JSONL line parsed as one prompt
         items = [items]
     prompts = []
     for n, item in enumerate(items, 1):
         if isinstance(item, dict):
             item = item.get("prompt_token_ids", item.get("input_ids"))
-        if not isinstance(item, list) or not item or not all(isinstance(t, int) and t >= 0 for t in item):
+        # JSON true/false are ints to Python: refused like any other non-id
+        if not isinstance(item, list) or not item or not all(type(t) is int and t >= 0 for t in item):
             raise PromptFileError(f"{path}: prompt {n} is not a non-empty list of token ids")
         prompts.append(list(item))
     return prompts
+
+
+def fit_problem(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> str | None:
+    """Why the prompts cannot be measured at `max_tokens` new tokens each within `max_model_len` (None: they can).
+    vLLM refuses a prompt of `max_model_len` tokens or more only in the engine process, after its start-up, and
+    cuts a shorter one's output at the limit, so the fixed amount of work per prompt would not hold."""
+    if not prompts:
+        return "no prompts to measure"
+    for n, p in enumerate(prompts, 1):
+        if len(p) + max_tokens > max_model_len:
+            return (f"prompt {n} has {len(p)} tokens: with --max-tokens {max_tokens} it needs --max-model-len "
+                    f"{len(p) + max_tokens} or more (got {max_model_len})")
+    return None
 
 
 def random_prompts(n: int, vocab_size: int, length: int | tuple[int, int], seed: int) -> list[list[int]]:
@@ -151,6 +167,9 @@ def _child(target, draft, prompts, k, max_tokens, max_model_len, dtype, stop_at_
     try:
         run_prompts(llm, prompts[:2], 4)  # warm-up outside the timing and counters
         queue.put(measure(llm, prompts, max_tokens, stop_at_eos))
+    except Exception as e:  # noqa: BLE001 - e.g. vLLM refusing a prompt: the parent would only see an exit code
+        queue.put({"error": f"{type(e).__name__}: {e}"})
+        raise
     finally:
         shutdown_engine(llm)
 
@@ -243,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         vocab = int(read_target_config(args.target)["vocab_size"])
         prompts = random_prompts(args.num_random_prompts, vocab, (8, 32), seed=12345)
+    if problem := fit_problem(prompts, args.max_tokens, args.max_model_len):
+        raise SystemExit(f"error: {problem}")
     report = evaluate(args.target, args.draft, prompts, args.k, args.max_tokens, args.max_model_len,
                       args.dtype, baseline=not args.no_baseline)
     print(format_report(report))

@@ -25,7 +25,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pipeline.base.layout import atomic_path, atomic_write
-from training.checkpoint import LocalCheckpoints, LoopState, load_checkpoint, read_state, save_checkpoint
+from training.checkpoint import (
+    MODEL_FILE,
+    LocalCheckpoints,
+    LoopState,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
 from training.config import ARCHITECTURE_FLAGS, DraftTrainConfig, resolve_aux_layer_ids
 from training.data import Batch, batches, shuffled, to_sample
 from training.loss import TTTObjective, TTTOutput
@@ -87,12 +94,24 @@ def load_vocab(path: Path) -> VocabMapping:
 
 def reusable_vocab(path: Path, size: int) -> bool:
     """Whether the vocab file at ``path`` holds ``size`` draft ids. One that does not (another
-    ``draft_vocab_size``, or damaged) is counted again: it is derived from the data, and a checkpoint keeps its
-    own copy of the mapping."""
+    ``draft_vocab_size``, or damaged) is taken from the checkpoint a resume continues (``checkpoint_vocab``), else
+    counted again: it is derived from the data."""
     try:
         return load_vocab(path).d2t.numel() == size
     except (OSError, KeyError, SafetensorError):  # absent, or not a vocab file
         return False
+
+
+def checkpoint_vocab(out_dir: Path, size: int) -> VocabMapping | None:
+    """The draft vocabulary of the newest checkpoint a ``train_drafter`` in ``out_dir`` would resume, when it holds
+    ``size`` draft ids (None: no such checkpoint reads). A resume must keep it: its weights were trained on those
+    ids, and a mapping counted again on other data would be refused (``checkpoint.check_same_vocab``)."""
+    found = sorted((Path(out_dir) / "ray" / RUN_NAME).glob(f"step_*/{MODEL_FILE}"))
+    try:
+        mapping = load_vocab(found[-1]) if found else None
+    except (OSError, KeyError, SafetensorError):
+        return None
+    return mapping if mapping is not None and mapping.d2t.numel() == size else None
 
 
 # ----------------------------------------------------------------------------- which checkpoints may resume
@@ -487,8 +506,10 @@ def train_drafter(
     if cfg.materialize:
         ds = ds.materialize()
     vocab_path = out_dir / VOCAB_FILE
-    if not reusable_vocab(vocab_path, min(cfg.draft_vocab_size, int(target_config["vocab_size"]))):
-        vocab = vocab or vocab_from_dataset(ds, int(target_config["vocab_size"]), cfg.draft_vocab_size)
+    draft_size = min(cfg.draft_vocab_size, int(target_config["vocab_size"]))
+    if not reusable_vocab(vocab_path, draft_size):
+        vocab = (checkpoint_vocab(out_dir, draft_size) or vocab
+                 or vocab_from_dataset(ds, int(target_config["vocab_size"]), cfg.draft_vocab_size))
         save_vocab(vocab, vocab_path)
     # Ray's default_ingest_options() as it is minus exclude_resources, which Ray deprecates (and warns about when
     # default_ingest_options passes it on); stable shard order -> exact resume

@@ -38,18 +38,24 @@ def test_a_failed_run_rerun_with_the_same_out_dir_continues_from_its_checkpoint(
         tmp_path, ray_session, tiny_target, target_parts, tiny_rows):
     """The driver's view of a kill: the run fails (no restarts left), the user runs it again. Ray Train
     restores the run in OUT/ray/drafter and only the remaining steps run; the result is bit-identical
-    to a run that was never interrupted."""
+    to a run that was never interrupted. The rerun's vocab file is gone and it is handed another counted
+    vocabulary: the checkpoint's own is kept (its weights were trained on those ids)."""
     import ray.train
+
+    from training.train import VOCAB_FILE
 
     cfg = small_cfg(max_failures=0)
     with pytest.raises(ray.train.TrainingFailedError):
         train_drafter(tiny_rows, cfg, tiny_target, tmp_path / "run",
                       after_step=kill_worker_at(5, tmp_path / "run", cfg.checkpoint_every))
-    again = train_drafter(tiny_rows, cfg, tiny_target, tmp_path / "run")
+    vocab = build_vocab_mapping(tiny_rows, target_parts.vocab_size, cfg.draft_vocab_size)
+    other = build_vocab_mapping(tiny_rows[:2], target_parts.vocab_size, cfg.draft_vocab_size)
+    assert not torch.equal(other.d2t, vocab.d2t)
+    (tmp_path / "run" / VOCAB_FILE).unlink()
+    again = train_drafter(tiny_rows, cfg, tiny_target, tmp_path / "run", vocab=other)
     assert again.metrics["step"] == cfg.steps
     steps = [json.loads(ln)["step"] for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, cfg.steps + 1))
-    vocab = build_vocab_mapping(tiny_rows, target_parts.vocab_size, cfg.draft_vocab_size)
     reference, _ = train_loop(cfg, tiny_target, tmp_path / "ref", lambda e: tiny_rows, vocab)
     resumed = load_exported(again.export_dir, tiny_target)
     for k, v in reference.trainable_state_dict().items():
