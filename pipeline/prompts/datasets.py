@@ -455,8 +455,18 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def _not_parquet(path: Path, e: Exception) -> DatasetError:
+    """What is wrong with a file Arrow does not read as Parquet: named when its head says (a compressed file:
+    Parquet compresses inside, so ``gzip rows.parquet`` makes a file Arrow calls only "not Parquet")."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(_HEAD)
+    except OSError:
+        head = b""
+    named = next((why for magic, why in _NOT_UTF8 if "compressed" in why and head.startswith(magic)), None)
+    if named is None and _BZIP2.match(head):
+        named = "is bzip2-compressed: decompress it"
     why = re.sub(r"^Could not open Parquet input source '[^']*': ", "", str(e)).strip()
-    return DatasetError(f"{path}: not a valid Parquet file: {why}")
+    return DatasetError(f"{path}: {named}" if named else f"{path}: not a valid Parquet file: {why}")
 
 
 def _cells(column: Any) -> list[Any]:
@@ -524,6 +534,8 @@ _NOT_UTF8 = [
 ]
 _BZIP2 = re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)")
 _HEAD = 10  # bytes the longest of those heads takes
+# Two ASCII characters in UTF-16 with no BOM, little- or big-endian ('{"' is 7b 00 22 00): UTF-8 JSON holds no NUL.
+_UTF16_NO_BOM = re.compile(rb"[\x01-\x7f]\x00[\x01-\x7f]\x00|\x00[\x01-\x7f]\x00[\x01-\x7f]")
 
 
 def _check_head(path: Path, head: bytes) -> None:
@@ -532,6 +544,8 @@ def _check_head(path: Path, head: bytes) -> None:
     why = next((why for magic, why in _NOT_UTF8 if head.startswith(magic)), None)
     if why is None and _BZIP2.match(head):
         why = "is bzip2-compressed: decompress it"
+    if why is None and _UTF16_NO_BOM.match(head):
+        why = "is UTF-16 (without a BOM): save it as UTF-8"
     if why is not None:
         raise DatasetError(f"{path}: {why}")
 

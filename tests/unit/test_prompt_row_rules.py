@@ -12,6 +12,8 @@ import json
 import lzma
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.base.config import DatasetConfig
@@ -227,6 +229,9 @@ ENCODED = {
     "utf-16": (LINES.encode("utf-16"), "is UTF-16: save it as UTF-8"),
     "utf-16-be": (codecs.BOM_UTF16_BE + LINES.encode("utf-16-be"), "is UTF-16: save it as UTF-8"),
     "utf-32": (LINES.encode("utf-32"), "is UTF-32: save it as UTF-8"),
+    # no BOM (Python's "utf-16-le", .NET's Encoding.Unicode.GetBytes): each line was quarantined as garbage
+    "utf-16-le-no-bom": (LINES.encode("utf-16-le"), "is UTF-16 (without a BOM): save it as UTF-8"),
+    "utf-16-be-no-bom": (LINES.encode("utf-16-be"), "is UTF-16 (without a BOM): save it as UTF-8"),
 }
 
 
@@ -246,6 +251,24 @@ def test_a_compressed_or_utf16_file_is_refused_naming_its_encoding(tmp_path, kin
         with pytest.raises(DatasetError) as err:
             call(d)
         assert str(err.value) == f"{path}: {why}"
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bzip2", "xz"])
+def test_a_compressed_parquet_file_is_refused_naming_its_compression(tmp_path, kind):
+    """``gzip rows.parquet`` (Parquet compresses inside; a transfer tool may wrap it again) was refused as "not a
+    valid Parquet file: Parquet magic bytes not found in footer": now named, as a compressed JSONL file is."""
+    buf = pa.BufferOutputStream()
+    pq.write_table(pa.table({"messages": [json.dumps(GOOD["messages"])]}), buf)
+    raw = buf.getvalue().to_pybytes()
+    packed = {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress}[kind](raw)
+    path = tmp_path / "rows.parquet"
+    path.write_bytes(packed)
+    with pytest.raises(DatasetError) as err:
+        check_dataset(DatasetConfig(name="ds", path=str(path)))
+    assert str(err.value) == f"{path}: is {kind}-compressed: decompress it"
+    path.write_bytes(b"not parquet at all")
+    with pytest.raises(DatasetError, match="not a valid Parquet file"):
+        check_dataset(DatasetConfig(name="ds", path=str(path)))
 
 
 def test_a_jsonl_file_that_only_looks_odd_is_still_read(tmp_path):
