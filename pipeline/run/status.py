@@ -123,20 +123,50 @@ def training_status(cfg: RunConfig, out: Path) -> dict[str, Any]:
     }
     if report_error:
         res["report_error"] = report_error
+    if (shards := hidden_status(layout)) is not None:
+        res["hidden_shards"] = shards
+    return res
+
+
+def _shards_on_disk(layout: RunLayout) -> dict[str, Any]:
+    """The complete shards counted from the files, each sample once (only their id column is read)."""
+    from pipeline.base.config import UnreadableFile
+    from pipeline.hidden.shards import open_shard, shard_files
+
+    files, ids = shard_files(layout.hidden), set()
+    for f in files:
+        try:
+            ids.update(open_shard(f)[1].column("sample_id").to_pylist())
+        except UnreadableFile as e:  # a shard cut short or not a shard: reported, never raised
+            return {"error": str(e)}
+    return {"files": len(files), "samples": len(ids)}
+
+
+def hidden_status(layout: RunLayout) -> dict[str, Any] | None:
+    """The hidden-state shards, each sample once: index.json's entries when they list exactly the complete shards
+    on disk (a sample a killed extraction wrote twice is in a later shard's ``skip``), else the shards counted,
+    since the index is rebuilt only when an extraction ends (a running or killed one's is stale or absent). Read
+    only: ``shards.load_index`` would rewrite the index while the job runs."""
+    from pipeline.hidden.shards import shard_files
+
     index, index_error = _read_json(layout.hidden_index)
     if index_error:
-        res["hidden_shards"] = {"error": index_error}
-    elif isinstance(index, dict):
-        shards = index.get("shards")
-        entries = [e for e in shards if isinstance(e, dict)] if isinstance(shards, list) else []
-        counts = [e.get("samples") for e in entries]
-        if shards is not None and (len(entries) != len(shards)
-                                   or not all(type(c) is int and c >= 0 for c in counts)):
-            res["hidden_shards"] = {"error": f"{layout.hidden_index.name} is unreadable (a shard entry without a "
-                                             "sample count; the next extraction rebuilds it from the shards)"}
-        else:
-            res["hidden_shards"] = {"files": len(entries), "samples": sum(counts)}
-    return res
+        return {"error": index_error}
+    if not isinstance(index, dict):
+        return _shards_on_disk(layout) if shard_files(layout.hidden) else None
+    shards = index.get("shards")
+    entries = [e for e in shards if isinstance(e, dict)] if isinstance(shards, list) else []
+    counts = [e.get("samples") for e in entries]
+    if shards is not None and (len(entries) != len(shards) or not all(type(c) is int and c >= 0 for c in counts)):
+        return {"error": f"{layout.hidden_index.name} is unreadable (a shard entry without a sample count; the "
+                         "next extraction rebuilds it from the shards)"}
+    skips = [e.get("skip", []) for e in entries]
+    listed = {(e.get("file"), e.get("bytes")) for e in entries
+              if isinstance(e.get("file"), str) and type(e.get("bytes")) is int}  # other values: not a shard listed
+    on_disk = {(f.name, f.stat().st_size) for f in shard_files(layout.hidden)}
+    if len(listed) != len(entries) or listed != on_disk or not all(isinstance(s, list) for s in skips):
+        return _shards_on_disk(layout)
+    return {"files": len(entries), "samples": sum(c - len(s) for c, s in zip(counts, skips, strict=True))}
 
 
 def collect_status(cfg: RunConfig) -> dict[str, Any]:

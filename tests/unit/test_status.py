@@ -157,3 +157,48 @@ def test_the_run_report_warns_of_journal_lines_naming_no_prompt(cfg, ray_session
     lines = attention_lines({"spend": {"api": {"journal_lines_naming_no_prompt": nameless["api"]}}})
     assert len(lines) == 1 and "source api: 2 lines of its response journal do not read and name no prompt" in lines[0]
     assert attention_lines({"spend": {"api": {"journal_lines_naming_no_prompt": 0}}}) == []
+
+
+def _shard_rows(*ids: int) -> list[dict]:
+    import numpy as np
+
+    return [{"sample_id": f"chat:{i}", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
+             "aux_hidden": np.zeros((3, 4), np.float32), "final_hidden": np.zeros((3, 4), np.float32)} for i in ids]
+
+
+def test_a_sample_in_two_shards_is_counted_once(cfg):
+    """A killed extraction's retried batch can put a sample in two shards; the index lists it under the later one's
+    ``skip`` and every reader yields it once. Status summed the entries' counts (4 samples, not 3)."""
+    from pipeline.hidden.shards import build_index, shard_meta, write_shard
+
+    layout = RunLayout(cfg.output_dir)
+    write_shard(_shard_rows(0, 1), layout.hidden, shard_meta([0], 4))
+    write_shard(_shard_rows(1, 2), layout.hidden, shard_meta([0], 4))
+    assert build_index(layout.hidden)["samples"] == 3
+    assert collect_status(cfg)["training"]["hidden_shards"] == {"files": 2, "samples": 3}
+    assert "hidden shards: 2 files, 3 samples" in format_status(collect_status(cfg))
+
+
+def test_shards_the_index_does_not_list_yet_are_counted(cfg):
+    """The index is rebuilt when an extraction ends: while one runs, or after a kill, it is stale or absent. Status
+    read it as it was (the old figures, or no shards at all); it counts the shards on disk then, never writing."""
+    from pipeline.hidden.shards import build_index, shard_meta, write_shard
+
+    layout = RunLayout(cfg.output_dir)
+    write_shard(_shard_rows(0, 1), layout.hidden, shard_meta([0], 4))
+    assert collect_status(cfg)["training"]["hidden_shards"] == {"files": 1, "samples": 2}  # no index yet
+    assert not layout.hidden_index.exists()
+    build_index(layout.hidden)
+    write_shard(_shard_rows(1, 2, 3), layout.hidden, shard_meta([0], 4))  # a shard written after the index
+    before = layout.hidden_index.read_bytes()
+    assert collect_status(cfg)["training"]["hidden_shards"] == {"files": 2, "samples": 4}
+    assert layout.hidden_index.read_bytes() == before
+
+
+def test_a_damaged_shard_the_index_does_not_list_is_reported(cfg):
+    layout = RunLayout(cfg.output_dir)
+    layout.hidden.mkdir(parents=True)
+    (layout.hidden / "shard-0123.arrow").write_bytes(b"ARROW1\x00\x00 cut short")
+    s = collect_status(cfg)
+    assert "shard-0123.arrow: not a readable Arrow shard" in s["training"]["hidden_shards"]["error"]
+    assert "hidden shards: " in format_status(s)
