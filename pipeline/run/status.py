@@ -53,6 +53,7 @@ def dataset_status(cfg: RunConfig, acc: Accounting) -> dict:
 
 
 def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]:
+    from pipeline.base.config import UnreadableFile
     from pipeline.generate.ledger import read_journal_both
     from pipeline.generate.sources.http.totals import journal_totals
     from pipeline.generate.sources.registry import spending_sources
@@ -67,7 +68,11 @@ def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]
         billed = Counter({g["dataset"]: g["tokens_sum"] for g in per})
         cost = float(pc.sum(pc.fill_null(mine.column("cost"), 0.0)).as_py() or 0.0)
         layout = RunLayout(out)
-        committed, committed_usd = read_journal_both(str(layout.ledger(src.name)))
+        ledger_error = None
+        try:
+            committed, committed_usd = read_journal_both(str(layout.ledger(src.name)))
+        except UnreadableFile as e:  # said, with the rest of the folder's status (the next run refuses to start)
+            committed, committed_usd, ledger_error = {}, {}, str(e)
         totals = journal_totals(layout.responses, src.name)  # one pass over the journal
         journaled = totals.billed
         if written is None:
@@ -79,10 +84,11 @@ def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]
                           | set(src.budgets_usd) | set(journaled))
         spend[src.name] = {
             "cost_usd_in_samples": round(cost, 6),
+            **({"ledger_error": ledger_error} if ledger_error else {}),
             "journal_lines_naming_no_prompt": totals.nameless,
             "datasets": {d: {"budget": src.token_budget(d), "budget_usd": src.usd_budget(d),
-                             "committed": committed.get(d, 0),
-                             "committed_usd": round(committed_usd.get(d, 0.0), 6),
+                             "committed": None if ledger_error else committed.get(d, 0),  # None: unknown
+                             "committed_usd": None if ledger_error else round(committed_usd.get(d, 0.0), 6),
                              "billed_in_samples": billed.get(d, 0), "billed_in_journal": journaled.get(d, 0),
                              "paid_responses_not_written": unwritten.get(d, 0),
                              "held_by_killed_requests": max(0, committed.get(d, 0)
@@ -206,7 +212,9 @@ def _caps(v: dict[str, Any]) -> str:
     caps = []
     if v["budget"] is not None:
         caps.append(f"cap {v['budget']} tokens")
-    if v.get("budget_usd") is not None:
+    if v.get("budget_usd") is not None and v.get("committed_usd", 0.0) is None:
+        caps.append(f"$? committed of a ${v['budget_usd']:.4f} cap")
+    elif v.get("budget_usd") is not None:
         caps.append(f"${v.get('committed_usd', 0.0):.4f} committed of a ${v['budget_usd']:.4f} cap")
     elif v.get("committed_usd"):
         caps.append(f"${v['committed_usd']:.4f} committed")
@@ -232,12 +240,16 @@ def format_status(s: dict[str, Any]) -> str:
                      "counted and trained on once)")
     for name, sp in s["spend"].items():
         lines.append(f"  spend {name}: ${sp['cost_usd_in_samples']:.4f} billed in samples")
+        if sp.get("ledger_error"):
+            lines.append(f"    WARNING: {sp['ledger_error']} (until then what it committed is unknown, and a run "
+                         "refuses to start)")
         if sp.get("journal_lines_naming_no_prompt"):
             lines.append(f"    WARNING: {sp['journal_lines_naming_no_prompt']} lines of its response journal do not "
                          "read and name no prompt: if they were paid responses, a re-run asks (and pays for) those "
                          "prompts again (OUTPUT/logs/ names each file and byte)")
         for d, v in sp["datasets"].items():
-            lines.append(f"    {d:<16} {v['committed']} tokens committed, {v['billed_in_samples']} billed in "
+            committed = "?" if v["committed"] is None else v["committed"]
+            lines.append(f"    {d:<16} {committed} tokens committed, {v['billed_in_samples']} billed in "
                          f"samples, {v['billed_in_journal']} billed in the response journal, {_caps(v)}")
             if v["paid_responses_not_written"]:
                 lines.append(f"    {'':<16} {v['paid_responses_not_written']} paid responses not yet written "

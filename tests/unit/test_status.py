@@ -202,3 +202,24 @@ def test_a_damaged_shard_the_index_does_not_list_is_reported(cfg):
     s = collect_status(cfg)
     assert "shard-0123.arrow: not a readable Arrow shard" in s["training"]["hidden_shards"]["error"]
     assert "hidden shards: " in format_status(s)
+
+
+def test_a_damaged_ledger_is_reported_with_the_rest_of_the_status(cfg):
+    """A ledger cut short stopped `status` whole ("status: ... this budget journal is not valid JSON"): the rest
+    of the folder's state was lost with it. Now it is that source's warning, its commitments shown as unknown."""
+    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
+
+    cfg.sources.append(OpenRouterSourceConfig.model_validate(
+        {"kind": "openrouter", "name": "api", "model": "moonshotai/kimi-k2.5", "budgets": {"chat": 900},
+         "budgets_usd": {"code": 5.0}, "default_budget": "unlimited"}))
+    layout = RunLayout(cfg.output_dir)
+    layout.root.mkdir(parents=True)
+    layout.ledger("api").write_text('{"#format": 2, "tokens": {"chat": 5')
+    s = collect_status(cfg)
+    sp = s["spend"]["api"]
+    assert "this budget journal is not valid JSON" in sp["ledger_error"]
+    assert sp["datasets"]["chat"]["committed"] is None and sp["datasets"]["code"]["committed_usd"] is None
+    text = format_status(s)
+    assert "WARNING: " in text and "is not valid JSON" in text and "a run refuses to start" in text
+    assert "chat             ? tokens committed" in text and "$? committed of a $5.0000 cap" in text
+    assert s["totals"]["to_do"] > 0  # the rest of the status is there
