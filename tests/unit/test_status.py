@@ -115,18 +115,23 @@ def test_dollar_caps_and_the_dollars_committed_are_shown(cfg):
     assert math_line.endswith("$0.2500 committed")  # unlimited: what was committed, and no cap
 
 
-def test_journal_lines_that_name_no_prompt_are_counted_and_said(cfg):
-    """A response journal line in which nothing reads (torn mid-file, overwritten) holds no prompt: if it was a
-    paid response, a re-run asks for its prompt again. It was said only in the logs; status counts it. A line that
-    does not read but names its prompt is held (class journal), so it is not in that count."""
+def _api_source_journal(cfg) -> tuple[RunLayout, dict]:
+    """An API source "api" on ``cfg``, its (empty) response journal folder, and one well-formed response record."""
     from pipeline.generate.sources.http.config import OpenRouterSourceConfig
 
     cfg.sources.append(OpenRouterSourceConfig.model_validate(
         {"kind": "openrouter", "name": "api", "model": "moonshotai/kimi-k2.5", "default_budget": "unlimited"}))
     layout = RunLayout(cfg.output_dir)
     layout.responses.mkdir(parents=True)
-    good = {"sample_id": "chat:1", "dataset": "chat", "source": "api", "model": "m", "sampling": "{}",
-            "request_digest": "d", "kind": "response", "billed_completion_tokens": 5, "generation_id": "g1"}
+    return layout, {"sample_id": "chat:1", "dataset": "chat", "source": "api", "model": "m", "sampling": "{}",
+                    "request_digest": "d", "kind": "response", "billed_completion_tokens": 5, "generation_id": "g1"}
+
+
+def test_journal_lines_that_name_no_prompt_are_counted_and_said(cfg):
+    """A response journal line in which nothing reads (torn mid-file, overwritten) holds no prompt: if it was a
+    paid response, a re-run asks for its prompt again. It was said only in the logs; status counts it. A line that
+    does not read but names its prompt is held (class journal), so it is not in that count."""
+    layout, good = _api_source_journal(cfg)
     named = dict(good, sample_id="chat:2", generation_id="g2", cost="0.5")  # a counted field of the wrong type
     layout.response_journal("api", "a1").write_text("\n".join([
         json.dumps(good), '{"sample_id": "chat:3", "datas', "\x00\x01 not json", json.dumps(named)]) + "\n")
@@ -141,16 +146,10 @@ def test_journal_lines_that_name_no_prompt_are_counted_and_said(cfg):
 def test_the_run_report_warns_of_journal_lines_naming_no_prompt(cfg, ray_session):
     """The run counts them too (it said so only in the logs; `status` alone counted them): the journal pass at the
     end of generation returns the count per source, and the report's attention lines say what to do."""
-    from pipeline.generate.sources.http.config import OpenRouterSourceConfig
     from pipeline.report.summary import attention_lines
     from pipeline.run.job import project_journals
 
-    cfg.sources.append(OpenRouterSourceConfig.model_validate(
-        {"kind": "openrouter", "name": "api", "model": "moonshotai/kimi-k2.5", "default_budget": "unlimited"}))
-    layout = RunLayout(cfg.output_dir)
-    layout.responses.mkdir(parents=True)
-    good = {"sample_id": "chat:1", "dataset": "chat", "source": "api", "model": "m", "sampling": "{}",
-            "request_digest": "d", "kind": "response", "billed_completion_tokens": 5, "generation_id": "g1"}
+    layout, good = _api_source_journal(cfg)
     layout.response_journal("api", "a1").write_text("\n".join([json.dumps(good), "\x00 torn", '{"sample_i']) + "\n")
     nameless = project_journals(cfg, layout)
     assert nameless == {"api": 2}
