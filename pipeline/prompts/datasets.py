@@ -242,11 +242,11 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         if content is not None and not isinstance(content, str):
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
                 content = "".join(_part_text(p, i, j) for j, p in enumerate(content))
-                # (all objects now) a user, system or tool turn with no text part was asked as an empty turn
-                if role != "assistant" and not any("text" in p for p in m["content"]):
+                # (all objects now) a user turn whose parts hold no text (none, an image only) lost its question
+                if role == "user" and not content:
                     kinds = sorted({str(p.get("type", "?")) for p in m["content"]})
-                    raise RowError(f"message {i} has no text part (parts: {', '.join(kinds) or 'none'}); the "
-                                   "target is asked in text only")
+                    raise RowError(f"message {i} is a user turn with no text (parts: {', '.join(kinds) or 'none'}); "
+                                   "the target is asked in text only")
             else:
                 raise RowError(f"message {i} content must be text")
         if content is None and role != "assistant":  # an assistant's may be null: it made tool calls, or is dropped

@@ -145,14 +145,21 @@ def test_a_content_part_that_is_not_an_object_is_quarantined(tmp_path, part):
 @pytest.mark.parametrize(("content", "parts"), [([], "none"), ([{"type": "image_url", "image_url": {"url": "x"}}],
                                                                  "image_url"),
                                                 ([{"type": "input_audio"}, {"type": "image_url"}],
-                                                 "image_url, input_audio")])
-def test_a_turn_with_no_text_part_is_quarantined(tmp_path, content, parts):
-    """Content parts with no text (none, or an image only) were joined into "": the target was asked an empty
-    user turn and its answer trained on. A turn with a text part beside an image keeps its text, as before."""
+                                                 "image_url, input_audio"),
+                                                ([{"type": "text", "text": ""}], "text"), ([{"type": "text"}], "text")])
+def test_a_user_turn_with_no_text_is_quarantined(tmp_path, content, parts):
+    """A user turn whose content parts hold no text (none, an image only, empty text) was joined into "": the
+    target was asked an empty question and its answer trained on. A text part beside an image keeps its text, as
+    before; a system or tool turn of no text reads as "", as its string form does."""
     path = tmp_path / "rows.jsonl"
     mixed = [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "Q?"}]
-    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": c}]}) for c in (content, mixed))
-                    + "\n", encoding="utf-8")
-    [(ok, row), (ok_mixed, row_mixed)] = _read(path)
-    assert not ok and f"message 0 has no text part (parts: {parts})" in row["reason"], row["reason"]
+    empty_tool = [{"role": "system", "content": []}, {"role": "user", "content": "Q?"},
+                  {"role": "assistant", "content": [], "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+                  {"role": "tool", "content": []}]
+    path.write_text("\n".join(json.dumps({"messages": m}) for m in (
+        [{"role": "user", "content": content}], [{"role": "user", "content": mixed}], empty_tool)) + "\n",
+        encoding="utf-8")
+    [(ok, row), (ok_mixed, row_mixed), (ok_tool, row_tool)] = _read(path)
+    assert not ok and f"message 0 is a user turn with no text (parts: {parts})" in row["reason"], row["reason"]
     assert ok_mixed and json.loads(row_mixed["messages"]) == [{"role": "user", "content": "Q?"}]
+    assert ok_tool and [m["content"] for m in json.loads(row_tool["messages"])] == ["", "Q?", "", ""], row_tool
