@@ -62,7 +62,7 @@ def read_prompts(path: str | Path) -> list[list[int]]:
 
 def fit_problem(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> str | None:
     """Why the prompts cannot be measured at `max_tokens` new tokens each within `max_model_len` (None: they can).
-    vLLM refuses a prompt of `max_model_len` tokens or more only in the engine process, after its start-up, and
+    vLLM refuses a prompt longer than `max_model_len` only in the engine process, after its start-up, and
     cuts a shorter one's output at the limit, so the fixed amount of work per prompt would not hold."""
     if not prompts:
         return "no prompts to measure"

@@ -517,7 +517,7 @@ def attention_lines(r: dict[str, Any]) -> list[str]:
             out.append(f"  ! source {name}: {left['journal']} prompts left to do, the responses journaled (and paid "
                        f"for) for them unreadable — first: {(src.get('journal_error') or '?')[:500]}")
     for name, spend in (r.get("spend") or {}).items():
-        if n := spend.get("journal_lines_naming_no_prompt"):
+        if isinstance(spend, dict) and (n := spend.get("journal_lines_naming_no_prompt")):
             out.append(f"  ! source {name}: {n} lines of its response journal do not read and name no prompt: if "
                        "they were paid responses, a re-run asks (and pays for) those prompts again — OUTPUT/logs/ "
                        "names each file and byte; repair or delete the lines")

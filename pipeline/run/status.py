@@ -91,8 +91,8 @@ def spend_status(cfg: RunConfig, out: Path, samples: pa.Table) -> dict[str, Any]
                              "committed_usd": None if ledger_error else round(committed_usd.get(d, 0.0), 6),
                              "billed_in_samples": billed.get(d, 0), "billed_in_journal": journaled.get(d, 0),
                              "paid_responses_not_written": unwritten.get(d, 0),
-                             "held_by_killed_requests": max(0, committed.get(d, 0)
-                                                            - max(billed.get(d, 0), journaled.get(d, 0)))}
+                             "held_by_killed_requests": None if ledger_error else max(
+                                 0, committed.get(d, 0) - max(billed.get(d, 0), journaled.get(d, 0)))}
                          for d in datasets},
         }
     return spend

@@ -156,6 +156,7 @@ def test_the_run_report_warns_of_journal_lines_naming_no_prompt(cfg, ray_session
     lines = attention_lines({"spend": {"api": {"journal_lines_naming_no_prompt": nameless["api"]}}})
     assert len(lines) == 1 and "source api: 2 lines of its response journal do not read and name no prompt" in lines[0]
     assert attention_lines({"spend": {"api": {"journal_lines_naming_no_prompt": 0}}}) == []
+    assert attention_lines({"spend": {"api": None}}) == []  # an old or hand-edited report.json (report.html reads it)
 
 
 def _shard_rows(*ids: int) -> list[dict]:
@@ -218,6 +219,7 @@ def test_a_damaged_ledger_is_reported_with_the_rest_of_the_status(cfg):
     sp = s["spend"]["api"]
     assert "this budget journal is not valid JSON" in sp["ledger_error"]
     assert sp["datasets"]["chat"]["committed"] is None and sp["datasets"]["code"]["committed_usd"] is None
+    assert sp["datasets"]["chat"]["held_by_killed_requests"] is None  # unknown too: it is committed less billed
     text = format_status(s)
     assert "WARNING: " in text and "is not valid JSON" in text and "a run refuses to start" in text
     assert "chat             ? tokens committed" in text and "$? committed of a $5.0000 cap" in text

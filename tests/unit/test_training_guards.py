@@ -88,3 +88,24 @@ def test_a_checkpoint_of_another_draft_vocabulary_is_not_resumed(tmp_path):
     with pytest.raises(ValueError, match="another draft vocabulary"):
         load_checkpoint(tmp_path, run, *_optim(run))
     assert (torch.arange(4) + run.d2t).tolist() == [10, 20, 30, 40]
+
+
+def test_a_resume_takes_the_vocabulary_of_the_newest_checkpoint_that_reads(tmp_path):
+    """A kill may leave the newest step folder half-copied: the next older checkpoint (same training, same mapping)
+    gives the vocabulary, not a count made again."""
+    from safetensors.torch import save_file
+
+    from training.checkpoint import MODEL_FILE
+    from training.train import RUN_NAME, checkpoint_vocab
+
+    runs = tmp_path / "ray" / RUN_NAME
+    assert checkpoint_vocab(tmp_path, 4) is None  # no checkpoint
+    mapping = mapping_from_ids(np.array([1, 3, 4, 5]), 10)
+    (runs / "step_0000003").mkdir(parents=True)
+    save_file({"d2t": mapping.d2t, "t2d": mapping.t2d, "fc.weight": torch.zeros(2, 2)},
+              str(runs / "step_0000003" / MODEL_FILE))
+    (runs / "step_0000006").mkdir()
+    (runs / "step_0000006" / MODEL_FILE).write_bytes((runs / "step_0000003" / MODEL_FILE).read_bytes()[:40])
+    got = checkpoint_vocab(tmp_path, 4)
+    assert got is not None and torch.equal(got.d2t, mapping.d2t) and torch.equal(got.t2d, mapping.t2d)
+    assert checkpoint_vocab(tmp_path, 5) is None  # another draft size: not this run's to resume
