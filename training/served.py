@@ -141,6 +141,18 @@ def text_prompts(target: str, path: str | Path) -> list[list[int]]:
                                          tokenize=True, return_dict=False)) for ln in lines]
 
 
+def unservable(prompts: list[list[int]], max_model_len: int) -> str | None:
+    """Why the engine could not answer these prompts (None: it can). Answers stop at the end of turn, so only a
+    prompt that leaves no room for one token is refused; vLLM would say so only after its engine's start-up."""
+    if not prompts:
+        return "no prompts to measure"
+    for n, p in enumerate(prompts, 1):
+        if len(p) >= max_model_len:
+            return (f"prompt {n} has {len(p)} tokens: it needs --max-model-len {len(p) + 1} or more "
+                    f"(got {max_model_len})")
+    return None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
@@ -159,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (PromptFileError, OSError, UnicodeDecodeError) as e:
         raise SystemExit(f"error: {e}") from None
     prompts = prompts[: args.max_prompts] if args.max_prompts else prompts
+    if problem := unservable(prompts, args.max_model_len):
+        raise SystemExit(f"error: {problem}")
     report = served_vs_simulated(args.target, args.draft, prompts, args.k, args.max_tokens, args.max_model_len,
                                  args.dtype)
     print(format_report(report))

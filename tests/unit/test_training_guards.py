@@ -109,3 +109,15 @@ def test_a_resume_takes_the_vocabulary_of_the_newest_checkpoint_that_reads(tmp_p
     got = checkpoint_vocab(tmp_path, 4)
     assert got is not None and torch.equal(got.d2t, mapping.d2t) and torch.equal(got.t2d, mapping.t2d)
     assert checkpoint_vocab(tmp_path, 5) is None  # another draft size: not this run's to resume
+
+
+def test_the_served_cli_refuses_prompts_with_no_room_before_any_engine_starts(tmp_path, monkeypatch):
+    """`python -m training.served` started its engines for prompts vLLM then refused (or had none to measure)."""
+    from training import served
+
+    monkeypatch.setattr(served, "served_vs_simulated", lambda *a, **k: pytest.fail("the vLLM engine was started"))
+    (tmp_path / "p.json").write_text(f"[[1, 2], {[5] * 64}]")
+    with pytest.raises(SystemExit, match=r"prompt 2 has 64 tokens: it needs --max-model-len 65 or more \(got 64\)"):
+        served.main(["--target", "t", "--draft", "d", "--prompts", str(tmp_path / "p.json"), "--max-model-len", "64"])
+    assert served.unservable([], 64) == "no prompts to measure"  # --text on an empty file
+    assert served.unservable([[1] * 63], 64) is None
