@@ -120,6 +120,9 @@ def heldout_acceptance(export_dir: str | Path, target_dir: str | Path | TargetPa
     with torch.no_grad():
         counts = row_counts(drafter, rows, target.lm_head, k=k)
     stats = stats_from_counts(counts, k)
+    if stats.num_drafts == 0:  # no answer token to draft from: 1.0 would read as a drafter that never drafts right
+        return {"samples": len(rows), "k": k, "drafts": 0,
+                "skipped": "the held-out samples hold no answer tokens to draft (nothing measured)"}
     labels = labels or {}
     return {"samples": len(rows), "k": k, "acceptance_length": round(stats.acceptance_length, 4),
             "per_position": [round(p, 4) for p in stats.per_position], "drafts": stats.num_drafts,

@@ -142,6 +142,10 @@ def test_heldout_acceptance_of_an_export_keeps_its_keys_and_adds_the_breakdowns(
     assert [(g["name"], g["samples"]) for g in got["by_source"]] == [("api", 3), ("unknown", 1)]
     assert sum(g["drafts"] for g in got["by_dataset"]) == sum(g["drafts"] for g in got["by_source"]) == sim.num_drafts
     assert set(got["by_dataset"][0]) >= {"name", "samples", "drafts", "acceptance_length", "se", "per_position"}
+    # no answer token in any held-out row (each masked out): nothing measured, not an acceptance of 1.0
+    masked = [dict(r, loss_mask=np.zeros_like(r["loss_mask"])) for r in rows]
+    none = heldout_acceptance(export, target, masked, K, labels)
+    assert none["drafts"] == 0 and none.get("acceptance_length") is None and "no answer tokens" in none["skipped"]
 
 
 # ----------------------------------------------------------------------------- where it is shown
