@@ -78,12 +78,14 @@ def prepare_sample(prompt_ids: Sequence[int], prompt_assistant_mask: Sequence[in
                 f"{len(prompt_ids)} prompt ids")
     ids = [*prompt_ids, *output_ids]
     mask = loss_mask(list(prompt_assistant_mask), len(output_ids))
-    if len(ids) > max_len:
+    cut = len(ids) > max_len
+    if cut:
         if too_long == "quarantine":
             return f"too_long: {len(ids)} tokens exceed extraction.max_len {max_len}"
         ids, mask = ids[:max_len], mask[:max_len]
-    if not mask.any():
-        return "no_assistant_tokens: no assistant token left to train on after truncation"
+    if not mask.any():  # cut: the prompt alone fills max_len; else an empty answer and no earlier assistant turn
+        return ("no_assistant_tokens: no assistant token left to train on after truncation to extraction.max_len "
+                f"{max_len}" if cut else "no_assistant_tokens: the sample holds no assistant token (an empty answer)")
     return ids, mask
 
 

@@ -220,7 +220,11 @@ def test_too_long_samples_are_truncated_or_quarantined():
     ids, mask = prepare_sample(prompt, amask, out, 8, "truncate")
     assert len(ids) == 8 and mask.tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
     assert prepare_sample(prompt, amask, out, 8, "quarantine").startswith("too_long: 16 tokens")
-    assert prepare_sample(prompt, [0] * 6, out, 4, "truncate").startswith("no_assistant_tokens")
+    assert prepare_sample(prompt, [0] * 6, out, 4, "truncate") == (
+        "no_assistant_tokens: no assistant token left to train on after truncation to extraction.max_len 4")
+    # nothing cut: an empty answer and no earlier assistant turn (the reason said "after truncation" here too)
+    assert prepare_sample(prompt, [0] * 6, [], 99, "truncate") == (
+        "no_assistant_tokens: the sample holds no assistant token (an empty answer)")
     assert prepare_sample(prompt, [0] * 5, out, 99, "truncate").startswith("mask_mismatch")
 
 
