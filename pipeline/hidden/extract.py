@@ -456,11 +456,27 @@ def stats_record(n: ExtractCounters, meta: dict[str, Any], device: str, backend:
     }
 
 
+_STATS_NUMBERS = ("samples", "tokens", "busy_s", "peak_rss_mb", "bytes_per_token")  # what the sum reads
+
+
 def read_extract_stats(stats_dir: str | Path) -> dict[str, Any]:
-    """All extractor actors' side files summed: tokens, tokens/s per actor, worst peak memory."""
-    recs = [json.loads(p.read_text()) for p in sorted(Path(stats_dir).glob("extract-*.json"))]
+    """All extractor actors' side files summed: tokens, tokens/s per actor, worst peak memory. A file that does not
+    read as a record (written atomically, so only by hand or a disk fault) is counted apart, never raised: this
+    runs after training, whose result must not be lost to a statistics file."""
+    recs, unreadable = [], 0
+    for path in sorted(Path(stats_dir).glob("extract-*.json")):
+        try:
+            rec = json.loads(path.read_bytes())
+            counts = rec.get("quarantined") if isinstance(rec, dict) else None
+            ok = isinstance(counts, dict) and all(type(v) is int for v in counts.values()) \
+                and all(type(rec.get(k)) in (int, float) for k in _STATS_NUMBERS)
+        except (OSError, ValueError):
+            ok = False
+        if ok:
+            recs.append(rec)
+        unreadable += not ok
     if not recs:
-        return {}
+        return {"unreadable_files": unreadable} if unreadable else {}
     quarantined: Counter = Counter()
     for r in recs:
         quarantined.update(r["quarantined"])
@@ -470,8 +486,9 @@ def read_extract_stats(stats_dir: str | Path) -> dict[str, Any]:
         "tokens_per_s_per_actor": round(sum(r["tokens"] for r in recs) / max(sum(r["busy_s"] for r in recs), 1e-9), 1),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in recs),
         "torch_peak_mb": max((r.get("torch_peak_mb", 0.0) for r in recs), default=0.0),
-        "bytes_per_token": recs[0]["bytes_per_token"], "aux_layer_ids": recs[0]["aux_layer_ids"],
-        "convention": recs[0]["convention"], "device": recs[0]["device"], "backend": recs[0]["backend"],
+        "bytes_per_token": recs[0]["bytes_per_token"], "aux_layer_ids": recs[0].get("aux_layer_ids"),
+        "convention": recs[0].get("convention"), "device": recs[0].get("device"), "backend": recs[0].get("backend"),
+        **({"unreadable_files": unreadable} if unreadable else {}),
     }
 
 

@@ -629,7 +629,7 @@ def _training_table(report: dict[str, Any]) -> str:
     rows = [["export", t.get("export_dir")], ["aux layer ids", t.get("aux_layer_ids")],
             ["extraction", f"{x.get('samples')} samples, {x.get('tokens')} tokens, "
                            f"{x.get('tokens_per_s_per_actor')} tok/s/actor, peak RSS {x.get('peak_rss_mb')} MB"
-             if x else None]]
+             if x.get("samples") is not None else None]]
     if t.get("skipped"):
         rows.append(["skipped", t["skipped"]])
     rows = [r for r in rows if r[1] is not None]

@@ -366,9 +366,12 @@ def format_report(r: dict[str, Any], out: Path) -> str:
                          f"earlier attempt was killed (they may have been billed) {held}")
     t = r.get("training") or {}
     x = t.get("extraction") or {}
-    if x:
+    if x.get("samples") is not None:
         lines.append(f"  extraction   {x['samples']} samples, {x['tokens']} tokens, {x['tokens_per_s_per_actor']} "
                      f"tok/s/actor, {x['bytes_per_token']} bytes/token, peak RSS {x['peak_rss_mb']:.0f} MB")
+    if x.get("unreadable_files"):
+        lines.append(f"  extraction   {x['unreadable_files']} statistics files in extract_stats/ did not read (left "
+                     "out of these figures)")
     m = t.get("metrics") or {}
     if m:
         accs = " ".join(_fixed(m[k], 2) for k in sorted(m) if k.startswith("acc_"))

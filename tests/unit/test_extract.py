@@ -351,3 +351,22 @@ def test_extractor_actor_rows_quarantine_and_stats(tiny_target, tmp_path):
     empty = actor(pa.Table.from_pylist([rows[2]]))
     assert empty.num_rows == 0 and empty.schema == training_table([], target_ids=True).schema == table.schema
     assert read_extract_stats(tmp_path / "stats")["quarantined"] == {"too_long": 2}
+
+
+def test_statistics_files_that_do_not_read_are_counted_apart_not_raised(tmp_path):
+    """The report reads them after training: a damaged one (by hand or a disk fault; they are written atomically)
+    raised there, and the run's trained drafter was never reported."""
+    from pipeline.report.summary import format_report
+    from tests.unit.test_heldout_datasets import BASE as REPORT_BASE  # the fields every report has
+
+    good = {"samples": 3, "tokens": 40, "busy_s": 2.0, "peak_rss_mb": 900.0, "bytes_per_token": 2048,
+            "quarantined": {"too_long": 1}, "aux_layer_ids": [1, 2, 3]}
+    (tmp_path / "extract-h-1.json").write_text(json.dumps(good))
+    (tmp_path / "extract-h-2.json").write_text('{"samples": 3, "tok')
+    (tmp_path / "extract-h-3.json").write_text(json.dumps(dict(good, quarantined={"too_long": "1"})))
+    stats = read_extract_stats(tmp_path)
+    assert stats["samples"] == 3 and stats["quarantined"] == {"too_long": 1} and stats["unreadable_files"] == 2
+    (tmp_path / "extract-h-1.json").unlink()
+    assert read_extract_stats(tmp_path) == {"unreadable_files": 2}
+    text = format_report({**REPORT_BASE, "training": {"extraction": {"unreadable_files": 2}}}, tmp_path)
+    assert "2 statistics files in extract_stats/ did not read" in text and "None samples" not in text
