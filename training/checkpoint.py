@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pipeline.base.layout import temp_path
@@ -46,22 +45,18 @@ def save_checkpoint(
     return path
 
 
-def load_drafter_tensors(path: Path, drafter: Eagle3Drafter) -> None:
-    """Load drafter tensors (all but the frozen embeddings) in place."""
-    missing, unexpected = drafter.load_state_dict(load_file(str(Path(path) / MODEL_FILE)), strict=False)
-    if [m for m in missing if m != EMBED_PARAM] or unexpected:
-        raise KeyError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
-
-
-def check_same_vocab(path: Path, drafter: Eagle3Drafter) -> None:
-    """Refuse a checkpoint whose d2t/t2d differ from the drafter's (the run's vocabulary). Loading it would swap
-    the drafter's mapping while the loop keeps distilling from the run's lm_head rows: a silently wrong teacher."""
-    with safe_open(str(Path(path) / MODEL_FILE), framework="pt") as f:
-        names = set(f.keys())
-        same = all(n in names and torch.equal(f.get_tensor(n), getattr(drafter, n).cpu()) for n in ("d2t", "t2d"))
-    if not same:
+def load_drafter_tensors(path: Path, drafter: Eagle3Drafter, *, same_vocab: bool = False) -> None:
+    """Load drafter tensors (all but the frozen embeddings) in place. ``same_vocab``: refuse a checkpoint whose
+    d2t/t2d differ from the drafter's (the run's vocabulary): loading it would swap the drafter's mapping while the
+    loop keeps distilling from the run's lm_head rows, a silently wrong teacher."""
+    tensors = load_file(str(Path(path) / MODEL_FILE))
+    if same_vocab and not all(n in tensors and torch.equal(tensors[n], getattr(drafter, n).cpu())
+                              for n in ("d2t", "t2d")):
         raise ValueError(f"{path} was trained with another draft vocabulary than this run's (a vocab file counted "
                          "again on other data?); it cannot be resumed with it: move it away to start again")
+    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+    if [m for m in missing if m != EMBED_PARAM] or unexpected:
+        raise KeyError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
 
 
 def load_checkpoint(
@@ -71,10 +66,9 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> LoopState:
     """Restore drafter, optimizer and scheduler in place; return the loop position. The drafter must hold the
-    checkpoint's vocabulary already (``check_same_vocab``)."""
+    checkpoint's vocabulary already (``load_drafter_tensors(same_vocab=True)``)."""
     path = Path(path)
-    check_same_vocab(path, drafter)
-    load_drafter_tensors(path, drafter)
+    load_drafter_tensors(path, drafter, same_vocab=True)
     opt = torch.load(path / OPTIM_FILE, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])

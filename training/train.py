@@ -105,7 +105,7 @@ def reusable_vocab(path: Path, size: int) -> bool:
 def checkpoint_vocab(out_dir: Path, size: int) -> VocabMapping | None:
     """The draft vocabulary of the newest checkpoint a ``train_drafter`` in ``out_dir`` would resume, when it holds
     ``size`` draft ids (None: no such checkpoint reads). A resume must keep it: its weights were trained on those
-    ids, and a mapping counted again on other data would be refused (``checkpoint.check_same_vocab``)."""
+    ids, and a mapping counted again on other data would be refused (``checkpoint.load_checkpoint``)."""
     # Newest first: a step folder a kill left half-copied does not read, and every checkpoint of one training holds
     # the same mapping, so the next older one serves.
     for path in sorted((Path(out_dir) / "ray" / RUN_NAME).glob(f"step_*/{MODEL_FILE}"), reverse=True):

@@ -462,9 +462,8 @@ def _not_parquet(path: Path, e: Exception) -> DatasetError:
             head = fh.read(_HEAD)
     except OSError:
         head = b""
-    named = next((why for magic, why in _NOT_UTF8 if "compressed" in why and head.startswith(magic)), None)
-    if named is None and _BZIP2.match(head):
-        named = "is bzip2-compressed: decompress it"
+    named = _head_problem(head)
+    named = named if named and "compressed" in named else None
     why = re.sub(r"^Could not open Parquet input source '[^']*': ", "", str(e)).strip()
     return DatasetError(f"{path}: {named}" if named else f"{path}: not a valid Parquet file: {why}")
 
@@ -538,15 +537,20 @@ _HEAD = 10  # bytes the longest of those heads takes
 _UTF16_NO_BOM = re.compile(rb"[\x01-\x7f]\x00[\x01-\x7f]\x00|\x00[\x01-\x7f]\x00[\x01-\x7f]")
 
 
-def _check_head(path: Path, head: bytes) -> None:
-    """A DatasetError for a JSON or JSONL file whose first bytes say it is compressed or not UTF-8 (no UTF-8 text,
-    so no JSON, begins with them)."""
+def _head_problem(head: bytes) -> str | None:
+    """What a file's first bytes say it is when it is compressed or not UTF-8 (no UTF-8 text, so no JSON, begins
+    with them), or None."""
     why = next((why for magic, why in _NOT_UTF8 if head.startswith(magic)), None)
     if why is None and _BZIP2.match(head):
         why = "is bzip2-compressed: decompress it"
     if why is None and _UTF16_NO_BOM.match(head):
         why = "is UTF-16 (without a BOM): save it as UTF-8"
-    if why is not None:
+    return why
+
+
+def _check_head(path: Path, head: bytes) -> None:
+    """A DatasetError for a JSON or JSONL file whose first bytes say it is compressed or not UTF-8."""
+    if (why := _head_problem(head)) is not None:
         raise DatasetError(f"{path}: {why}")
 
 

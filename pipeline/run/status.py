@@ -212,10 +212,9 @@ def _caps(v: dict[str, Any]) -> str:
     caps = []
     if v["budget"] is not None:
         caps.append(f"cap {v['budget']} tokens")
-    if v.get("budget_usd") is not None and v.get("committed_usd", 0.0) is None:
-        caps.append(f"$? committed of a ${v['budget_usd']:.4f} cap")
-    elif v.get("budget_usd") is not None:
-        caps.append(f"${v.get('committed_usd', 0.0):.4f} committed of a ${v['budget_usd']:.4f} cap")
+    if v.get("budget_usd") is not None:
+        usd = v.get("committed_usd", 0.0)  # None: the ledger does not read
+        caps.append(f"${'?' if usd is None else f'{usd:.4f}'} committed of a ${v['budget_usd']:.4f} cap")
     elif v.get("committed_usd"):
         caps.append(f"${v['committed_usd']:.4f} committed")
     return ", ".join(caps) or "no cap"
